@@ -1,0 +1,144 @@
+"""Things the toolkit makes itself, so the quickstart and the tests need no network and no downloads.
+
+- `builtin:tiny-llama`: a small Llama-architecture model (random weights from a fixed seed) with a byte-level tokenizer
+  and a ChatML chat template, written once as an ordinary Hugging Face folder.
+- `builtin:greetings`: a generated chat dataset of three patterns (greet a name, shout a word, repeat a word) whose
+  answers copy from the prompt, so a model that learned it answers prompts it never saw.
+
+Both are written under $FINETUNE_HOME (default ~/.cache/finetune) and are the same on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+PREFIX = "builtin:"
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+TEMPLATE = Path(__file__).parent / "templates" / "chatml.jinja"
+
+
+def home() -> Path:
+    return Path(os.environ.get("FINETUNE_HOME", Path.home() / ".cache" / "finetune"))
+
+
+def is_builtin(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def resolve_model(name: str) -> str:
+    """A local folder for `builtin:NAME` models, created on first use; other names are returned unchanged."""
+    if not is_builtin(name):
+        return name
+    builders = {"tiny-llama": _write_tiny_llama}
+    return str(_materialize(name, builders, "model"))
+
+
+def resolve_dataset(name: str) -> str:
+    """A local JSONL file for `builtin:NAME` datasets, created on first use; other names are returned unchanged."""
+    if not is_builtin(name):
+        return name
+    builders = {"greetings": _write_greetings}
+    return str(_materialize(name, builders, "dataset") / "train.jsonl")
+
+
+def _materialize(name: str, builders: dict, what: str) -> Path:
+    from finetune.errors import UserError
+
+    key = name.removeprefix(PREFIX)
+    if key not in builders:
+        raise UserError(f"unknown builtin {what} {name!r}; builtin {what}s are: "
+                        + ", ".join(PREFIX + k for k in builders))
+    target = home() / "builtin" / key
+    if not (target / "done").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
+        builders[key](staging)
+        (staging / "done").write_text("")
+        try:
+            staging.rename(target)  # atomic: concurrent processes build their own copy, the first rename wins
+        except OSError:
+            shutil.rmtree(staging)
+    return target
+
+
+def make_tokenizer():
+    """A byte-level tokenizer: every text encodes, one token per byte, plus the chat markup tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = TEMPLATE.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def make_tiny_llama_config(tokenizer, **overrides):
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=(len(tokenizer) + 7) // 8 * 8,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def _write_tiny_llama(folder: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(make_tiny_llama_config(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def greeting(rng: random.Random) -> tuple[str, str]:
+    """One (prompt, answer) pair of the greetings task."""
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
+    pattern = rng.randrange(3)
+    if pattern == 0:
+        return f"My name is {word.capitalize()}.", f"Nice to meet you, {word.capitalize()}!"
+    if pattern == 1:
+        return f"Shout {word}.", f"{word.upper()}!"
+    return f"Repeat {word} twice.", f"{word} {word}"
+
+
+def _write_greetings(folder: Path, rows: int = 6000) -> None:
+    rng = random.Random(0)
+    with open(folder / "train.jsonl", "w", encoding="utf-8") as out:
+        for _ in range(rows):
+            turns = []
+            for _ in range(1 if rng.random() < 0.8 else 2):
+                prompt, answer = greeting(rng)
+                turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+            out.write(json.dumps({"messages": turns}) + "\n")

@@ -1,0 +1,436 @@
+"""The recipe: one typed configuration tree loaded from YAML, with `key.sub=value` overrides.
+
+    model:    what to load (ModelConfig)
+    method:   lora | qlora | full
+    lora:     the adapter (LoraConfig), for lora and qlora
+    data:     what to train on and how to render it (DataConfig)
+    train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...), over the defaults below
+    output_dir: the run folder
+
+Everything here is checked before a model or dataset loads: unknown keys (with the closest valid key), types,
+allowed values and contradictions all raise `UserError` naming the file or override and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from finetune.errors import UserError
+from finetune.resources import find_recipe
+
+Method = Literal["lora", "qlora", "full"]
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = field(
+        default=None, metadata={"help": "Hugging Face model id, local folder, or builtin:tiny-llama."}
+    )
+    backend: Literal["auto", "unsloth", "hf"] = field(
+        default="auto", metadata={"help": "auto picks unsloth on a CUDA machine that has it, else hf."}
+    )
+    revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit)."})
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
+        default="auto", metadata={"help": "Weights dtype; auto follows the training precision."}
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "sdpa, eager, flash_attention_2, ...; default: the model's own choice."}
+    )
+    trust_remote_code: bool = False
+    chat_template: str | None = field(
+        default=None, metadata={"help": "Path to a .jinja chat template; default: the tokenizer's own."}
+    )
+
+
+@dataclass
+class LoraConfig:
+    r: int = field(default=16, metadata={"help": "Adapter rank."})
+    alpha: int = field(default=32, metadata={"help": "Scaling numerator (scale = alpha / r)."})
+    dropout: float = 0.0
+    target_modules: str | list[str] = field(
+        default="all-linear", metadata={"help": "Module names to adapt, or all-linear."}
+    )
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. embed_tokens)."}
+    )
+    use_rslora: bool = False
+    use_dora: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str | list[str] | None = field(
+        default=None, metadata={"help": "JSONL/JSON/Parquet/CSV file, folder of them, Hub dataset name, or a list."}
+    )
+    eval: str | list[str] | None = field(default=None, metadata={"help": "Like train; or use eval_fraction."})
+    eval_fraction: float = field(default=0.0, metadata={"help": "Share of train rows held out for evaluation."})
+    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text"] = "auto"
+    columns: dict[str, str] = field(
+        default_factory=dict,
+        metadata={"help": "Map the format's field names to your columns, e.g. {instruction: question}."},
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System message for conversations that have none."}
+    )
+    loss_on: Literal["assistant", "all"] = field(
+        default="assistant", metadata={"help": "Train on assistant turns only, or on every token."}
+    )
+    bad_rows: Literal["fail", "drop"] = field(
+        default="fail", metadata={"help": "fail: stop and list them; drop: skip them and report the count."}
+    )
+    max_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows of each split."})
+    template_date: str = field(
+        default="2024-07-26",
+        metadata={"help": "The date chat templates see (YYYY-MM-DD), fixed so renders are reproducible."},
+    )
+
+
+# Where the toolkit's defaults differ from SFTConfig's. The learning rate depends on the method (see `train_defaults`).
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "max_length": 2048,
+    "packing": True,
+    "logging_steps": 10,
+    "report_to": "none",
+    "ddp_find_unused_parameters": False,
+    "save_total_limit": 3,
+}
+LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
+
+# SFTConfig fields that another part of the recipe owns: setting them under train.* would be silently ignored.
+OWNED_ELSEWHERE = {
+    "output_dir": "the top-level output_dir",
+    "assistant_only_loss": "data.loss_on (assistant | all)",
+    "completion_only_loss": "data.loss_on (assistant | all)",
+    "dataset_text_field": "data.columns, e.g. {text: my_field}",
+    "chat_template_path": "model.chat_template",
+    "model_init_kwargs": "the model.* keys",
+    "trust_remote_code": "model.trust_remote_code",
+    "padding_free": "train.packing (packed rows are always padding-free)",
+    "dataset_kwargs": "the data.* keys",
+    "eos_token": "the tokenizer's own end-of-turn token",
+}
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: Method = field(default="lora", metadata={"help": "lora, qlora (LoRA on a 4-bit base) or full."})
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: dict[str, Any] = field(default_factory=dict, metadata={"help": "Fields of TRL's SFTConfig."})
+    output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def sft_config(self, **runtime: Any):
+        """The SFTConfig the trainer gets: train.* plus what the toolkit decides at run time (e.g. use_cpu)."""
+        from trl import SFTConfig
+
+        return SFTConfig(output_dir=self.output_dir, **{**self.train, **runtime})
+
+
+SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig}
+
+
+def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file (or the name of a shipped recipe), apply overrides, validate, fill defaults."""
+    path = find_recipe(recipe)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise UserError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe is a mapping of keys (model:, data:, train:, ...), not {type(raw).__name__}")
+    raw.setdefault("output_dir", str(Path("runs") / path.stem))
+    origins: dict[str, str] = {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_dotted(raw, key, value, override)
+        origins[key] = f"override {override!r}"
+    return _build(raw, str(path), origins)
+
+
+def recipe_from_dict(raw: dict[str, Any], where: str = "config") -> Recipe:
+    """Rebuild a saved, resolved recipe (e.g. a checkpoint's finetune.yaml) with the same checks."""
+    return _build(raw, where, {})
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    if not sep or not key or " " in key:
+        raise UserError(f"override {override!r}: write overrides as key.sub=value, e.g. train.learning_rate=1e-4")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict, key: str, value: Any, override: str) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"override {override!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
+    def origin(key: str) -> str:
+        return origins.get(key, where)
+
+    _reject_unknown(raw, Recipe, "", origin)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Recipe):
+        if f.name not in raw:
+            continue
+        if f.name in SECTIONS:
+            section = raw[f.name] if raw[f.name] is not None else {}
+            if not isinstance(section, dict):
+                raise UserError(f"{origin(f.name)}: {f.name} is a section of keys, not {section!r}")
+            values[f.name] = _build_section(section, SECTIONS[f.name], f.name, origin)
+        elif f.name == "train":
+            values["train"] = raw["train"] if raw["train"] is not None else {}
+            if not isinstance(values["train"], dict):
+                raise UserError(f"{origin('train')}: train is a section of SFTConfig fields, not {values['train']!r}")
+        else:
+            values[f.name] = _coerce(raw[f.name], _hints(Recipe)[f.name], f.name, origin(f.name))
+    recipe = Recipe(**values)
+    _check_required(recipe, where)
+    _check_contradictions(recipe, raw, origin)
+    recipe.train = _resolve_train(recipe, origin)
+    return recipe
+
+
+def _build_section(section: dict, cls: type, prefix: str, origin) -> Any:
+    _reject_unknown(section, cls, prefix + ".", origin)
+    hints = _hints(cls)
+    return cls(**{k: _coerce(v, hints[k], f"{prefix}.{k}", origin(f"{prefix}.{k}")) for k, v in section.items()})
+
+
+def _reject_unknown(section: dict, cls: type, prefix: str, origin) -> None:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in section:
+        if key not in known:
+            dotted = prefix + str(key)
+            raise UserError(f"{origin(dotted)}: unknown key {dotted!r}{_suggest(dotted)}")
+
+
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    keys = [f.name for f in dataclasses.fields(Recipe)]
+    for name, cls in SECTIONS.items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    keys += [f"train.{name}" for name in _sft_fields()]
+    return tuple(keys)
+
+
+def _suggest(dotted: str) -> str:
+    """'; did you mean X?' with the closest valid key, comparing whole keys and then the last component."""
+    keys = _all_keys()
+    match = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    if not match:
+        leaf = dotted.rsplit(".", 1)[-1]
+        leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
+        close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
+        match = [leaves[close[0]]] if close else []
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _sft_fields() -> dict[str, Any]:
+    from trl import SFTConfig
+
+    hints = typing.get_type_hints(SFTConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(SFTConfig) if f.init}
+
+
+def _coerce(value: Any, annotation: Any, key: str, where: str) -> Any:
+    """Return `value` as the annotated type, or raise UserError saying what is allowed."""
+    try:
+        return _convert(value, annotation)
+    except _Mismatch as mismatch:
+        raise UserError(f"{where}: {key} {mismatch}, got {value!r}") from None
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _convert(value: Any, annotation: Any) -> Any:
+    if annotation is Any:
+        return value
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums:  # `SchedulerType | str`: the string must name a member anyway
+            return _convert(value, enums[0])
+        # Try the strictest member first so "3" stays a string for `str | int` and becomes 3 for `int | None`.
+        errors = []
+        for member in sorted((a for a in args if a is not type(None)), key=_strictness):
+            try:
+                return _convert(value, member)
+            except _Mismatch as mismatch:
+                errors.append(str(mismatch).removeprefix("must be "))
+        raise _Mismatch("must be " + " or ".join(dict.fromkeys(errors)))
+    if origin is Literal:
+        if value in args:
+            return value
+        raise _Mismatch("must be one of " + ", ".join(map(str, args)))
+    if origin in (list, tuple):
+        items = value if isinstance(value, list) else None
+        if items is None:
+            raise _Mismatch("must be a list")
+        return [_convert(item, args[0]) for item in items] if args else items
+    if origin is dict or annotation is dict:
+        if isinstance(value, dict):
+            return value
+        raise _Mismatch("must be a mapping of keys to values")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise _Mismatch("must be true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise _Mismatch("must be a whole number")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads 1e-4 as a string; Python does not
+            except ValueError:
+                pass
+        raise _Mismatch("must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _Mismatch("must be a string")
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        allowed = [member.value for member in annotation]
+        if value is False and "no" in allowed:
+            return "no"  # YAML reads a bare `no` as false
+        if value in allowed:
+            return value
+        raise _Mismatch("must be one of " + ", ".join(map(str, allowed)))
+    return value  # types we do not check here (e.g. accelerate's ParallelismConfig); SFTConfig checks them
+
+
+def _strictness(annotation: Any) -> int:
+    order = [bool, int, float]
+    if annotation in order:
+        return order.index(annotation)
+    return 5 if annotation is str else 3
+
+
+def _check_required(recipe: Recipe, where: str) -> None:
+    if not recipe.model.name_or_path:
+        raise UserError(f"{where}: model.name_or_path is required (a Hub id, a local folder or builtin:tiny-llama)")
+    if not recipe.data.train:
+        raise UserError(f"{where}: data.train is required (a file, a folder, or a Hub dataset name)")
+
+
+def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
+    if recipe.method == "full" and raw.get("lora"):
+        raise UserError(
+            f"{origin('lora')}: lora settings are given but method is full, which trains every weight and has no "
+            "adapter; remove the lora section or set method=lora"
+        )
+    if recipe.data.eval and recipe.data.eval_fraction:
+        raise UserError(
+            f"{origin('data.eval_fraction')}: data.eval and data.eval_fraction both choose the eval split; keep one"
+        )
+    if not 0.0 <= recipe.data.eval_fraction < 1.0:
+        raise UserError(f"{origin('data.eval_fraction')}: data.eval_fraction must be at least 0 and below 1")
+    for name in ("r", "alpha"):
+        if getattr(recipe.lora, name) <= 0:
+            raise UserError(f"{origin('lora.' + name)}: lora.{name} must be a positive whole number")
+    if recipe.data.max_rows is not None and recipe.data.max_rows <= 0:
+        raise UserError(f"{origin('data.max_rows')}: data.max_rows must be a positive whole number")
+    try:
+        from datetime import date
+
+        date.fromisoformat(recipe.data.template_date)
+    except ValueError:
+        raise UserError(f"{origin('data.template_date')}: data.template_date must be a date as YYYY-MM-DD") from None
+
+
+def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
+    """train.* over the toolkit defaults, each key checked against SFTConfig, then SFTConfig's own checks."""
+    fields = _sft_fields()
+    train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[recipe.method]}
+    for key, value in recipe.train.items():
+        where = origin(f"train.{key}")
+        if key in OWNED_ELSEWHERE:
+            raise UserError(f"{where}: train.{key} is not used here; set it with {OWNED_ELSEWHERE[key]}")
+        if key not in fields:
+            raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig){_suggest('train.' + key)}")
+        train[key] = _coerce(value, fields[key], f"train.{key}", where)
+    _check_report_to(train.get("report_to"), origin("train.report_to"))
+    if train.get("max_length") is None or train["max_length"] <= 0:
+        raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
+    if train.get("bf16") and train.get("fp16"):
+        raise UserError(f"{origin('train.fp16')}: train.bf16 and train.fp16 both ask for mixed precision; keep one")
+    try:
+        from trl import SFTConfig
+
+        SFTConfig(output_dir=recipe.output_dir, **{**train, "use_cpu": True})  # its own value checks, no devices
+    except ValueError as error:
+        raise UserError(f"{origin('train')}: {error}") from None
+    return train
+
+
+def _check_report_to(report_to: Any, where: str) -> None:
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise UserError(
+                f"{where}: train.report_to {name!r} is not a logging back-end; choose from "
+                + ", ".join(["none", *INTEGRATION_TO_CALLBACK])
+            )
+        if name not in get_available_reporting_integrations():
+            raise UserError(f"{where}: train.report_to {name!r} is not installed; pip install {name}")

@@ -1,0 +1,213 @@
+"""Every supported row format becomes one internal example, right after loading.
+
+A chat example is `{"messages": [...], "tools": [...] | None}`. Each message has `role` (system, developer, user,
+assistant or tool) and `content` (text); assistant messages may carry `thinking` and `tool_calls`
+(`[{"type": "function", "function": {"name": ..., "arguments": {...}}}]`), tool messages a `name`. An assistant
+message with `"train": False` is context only (the prompt side of a prompt/completion row).
+
+A plain-text example (raw `text`, or a text prompt/completion, which TRL also leaves untemplated) is
+`{"segments": [{"text": ..., "train": bool}, ...]}`.
+
+`normalize` raises `BadRow` with the reason when a row cannot be used; the pipeline adds file and row number.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+FORMATS = ("messages", "alpaca", "sharegpt", "prompt_completion", "text")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+
+class BadRow(Exception):
+    """This row cannot be trained on; the message says why."""
+
+
+def detect_format(row: dict[str, Any], columns: dict[str, str]) -> str | None:
+    """The format whose fields the row has (after the column mapping), or None."""
+
+    def has(name: str) -> bool:
+        return _lookup(row, columns.get(name, name)) is not None
+
+    if has("messages"):
+        return "messages"
+    if has("conversations"):
+        return "sharegpt"
+    if has("instruction") and has("output"):
+        return "alpaca"
+    if has("prompt") and has("completion"):
+        return "prompt_completion"
+    if has("text"):
+        return "text"
+    return None
+
+
+def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_prompt: str | None) -> dict[str, Any]:
+    def field(name: str, required: bool = True) -> Any:
+        value = _lookup(row, columns.get(name, name))
+        if value is None and required:
+            source = columns.get(name, name)
+            raise BadRow(f"no {source!r} field" + (f" (mapped from {name!r})" if source != name else ""))
+        return value
+
+    if fmt == "messages":
+        messages = [_message(m, i) for i, m in enumerate(_nonempty_list(field("messages"), "messages"), 1)]
+        example = {"messages": messages, "tools": _tools(row.get("tools"))}
+    elif fmt == "sharegpt":
+        turns = _nonempty_list(field("conversations"), "conversations")
+        messages = [_sharegpt_message(turn, i) for i, turn in enumerate(turns, 1)]
+        if isinstance(row.get("system"), str) and row["system"] and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": row["system"]})
+        example = {"messages": messages, "tools": _tools(row.get("tools"))}
+    elif fmt == "alpaca":
+        instruction, extra, output = _text(field("instruction"), "instruction"), field("input", False), field("output")
+        extra = _text(extra, "input") if extra is not None else ""
+        messages = [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra else instruction}]
+        if isinstance(row.get("system"), str) and row["system"]:
+            messages.insert(0, {"role": "system", "content": row["system"]})
+        messages.append({"role": "assistant", "content": _text(output, "output")})
+        example = {"messages": messages, "tools": None}
+    elif fmt == "prompt_completion":
+        prompt, completion = field("prompt"), field("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return {"segments": [{"text": prompt, "train": False}, {"text": completion, "train": True}]}
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise BadRow("prompt and completion must both be text, or both be lists of messages")
+        context = [{**_message(m, i), "train": False} for i, m in enumerate(prompt, 1)]
+        answer = [_message(m, len(prompt) + i) for i, m in enumerate(completion, 1)]
+        example = {"messages": context + answer, "tools": _tools(row.get("tools"))}
+    elif fmt == "text":
+        return {"segments": [{"text": _text(field("text"), "text"), "train": True}]}
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+
+    if system_prompt and example["messages"][0]["role"] not in ("system", "developer"):
+        example["messages"].insert(0, {"role": "system", "content": system_prompt})
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in example["messages"]):
+        raise BadRow("no assistant turn to learn from")
+    return example
+
+
+def _lookup(row: dict[str, Any], path: str) -> Any:
+    """`row[path]`, where a dotted path walks into nested fields and list indices (e.g. instances.0.input)."""
+    if path in row:
+        return row[path]
+    value: Any = row
+    for part in path.split("."):
+        if isinstance(value, dict):
+            value = value.get(part)
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+def _nonempty_list(value: Any, name: str) -> list:
+    if not isinstance(value, list):
+        raise BadRow(f"{name} must be a list of turns, not {_kind(value)}")
+    if not value:
+        raise BadRow(f"empty conversation ({name} is an empty list)")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)  # OpenAI-style content parts, text only
+    raise BadRow(f"{what} is {_kind(value)}, not text")
+
+
+def _kind(value: Any) -> str:
+    return {type(None): "missing", bool: "a boolean", int: "a number", float: "a number", dict: "an object",
+            list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    where = f"message {index}"
+    if not isinstance(message, dict):
+        raise BadRow(f"{where} is {_kind(message)}, not an object with role and content")
+    role = message.get("role")
+    if role is None:
+        raise BadRow(f"{where} has no role")
+    if role not in ROLES:
+        raise BadRow(f"{where} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if content is None and role == "assistant" and tool_calls:
+        content = ""
+    out: dict[str, Any] = {"role": role, "content": _text(content, f"{where} content")}
+    thinking = message.get("thinking", message.get("reasoning_content"))
+    if thinking is not None:
+        if role != "assistant":
+            raise BadRow(f"{where}: only assistant messages can have thinking")
+        out["thinking"] = _text(thinking, f"{where} thinking")
+    if tool_calls:
+        if role != "assistant":
+            raise BadRow(f"{where}: only assistant messages can have tool_calls")
+        if not isinstance(tool_calls, list):
+            raise BadRow(f"{where}: tool_calls must be a list")
+        out["tool_calls"] = [_tool_call(call, where) for call in tool_calls]
+    for key in ("name", "tool_call_id"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if role == "assistant" and not out["content"] and not tool_calls:
+        raise BadRow(f"{where}: assistant message is empty")
+    return out
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRow(f"{where}: a tool call needs a function name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise BadRow(f"{where}: tool call arguments are not valid JSON") from None
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _sharegpt_message(turn: Any, index: int) -> dict[str, Any]:
+    where = f"turn {index}"
+    if not isinstance(turn, dict) or "from" not in turn:
+        raise BadRow(f"{where} has no 'from' (ShareGPT turns are {{from, value}})")
+    role = SHAREGPT_ROLES.get(turn["from"])
+    if role is None:
+        raise BadRow(f"{where} has unknown role {turn['from']!r} (expected one of {', '.join(SHAREGPT_ROLES)})")
+    value = _text(turn.get("value"), f"{where} value")
+    if turn["from"] == "function_call":
+        try:
+            call = json.loads(value)
+        except json.JSONDecodeError:
+            raise BadRow(f"{where}: function_call value is not valid JSON") from None
+        return {"role": "assistant", "content": "", "tool_calls": [_tool_call(call, where)]}
+    if role == "assistant" and not value:
+        raise BadRow(f"{where}: assistant message is empty")
+    return {"role": role, "content": value}
+
+
+def _tools(tools: Any) -> list | None:
+    if tools is None or tools == "":
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadRow("tools is not valid JSON") from None
+    if not isinstance(tools, list):
+        raise BadRow("tools must be a list of function definitions")
+    return tools or None

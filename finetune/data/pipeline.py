@@ -1,0 +1,221 @@
+"""load -> normalize -> render and mask -> truncate -> pack -> cache.
+
+`prepare` returns the tokenized train and eval datasets (columns input_ids, labels, and seq_lengths when packed)
+and a report of what happened to the data. The result is cached on disk under a key made of the data's contents,
+the tokenizer, the chat template, the settings and this package's code, so it is computed once and reused by every
+DDP process and by later runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune import builtin
+from finetune.data import formats, sources
+from finetune.data.formats import BadRow
+from finetune.data.render import IGNORE, Renderer
+from finetune.errors import UserError
+
+SHOWN_BAD_ROWS = 10
+MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
+
+
+@dataclass
+class PreparedData:
+    train: Any  # datasets.Dataset
+    eval: Any | None
+    report: dict[str, Any]
+
+
+def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
+    """The tokenized datasets for `recipe`, from the cache when the same data was prepared before."""
+    data = recipe.data
+    train_sources = [sources.resolve(s, "data.train") for s in _as_list(data.train)]
+    eval_sources = [sources.resolve(s, "data.eval") for s in _as_list(data.eval)]
+    settings = {
+        "data": dataclasses.asdict(data),
+        "max_length": recipe.train["max_length"],
+        "packing": recipe.train["packing"],
+        "seed": recipe.train.get("seed", 42),
+    }
+    key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
+    folder = builtin.home() / "data" / key
+    if not (folder / "report.json").exists():
+        _build(folder, recipe, tokenizer, template, train_sources, eval_sources)
+    return _load(folder)
+
+
+def _as_list(value) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _cache_key(train_sources, eval_sources, settings, tokenizer, template) -> str:
+    digest = hashlib.sha256()
+    for part in (
+        [s.fingerprint() for s in train_sources],
+        [s.fingerprint() for s in eval_sources],
+        settings,
+        tokenizer.backend_tokenizer.to_str(),
+        tokenizer.special_tokens_map,
+        template,
+        [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.glob("*.py"))],
+    ):
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:24]
+
+
+def _load(folder: Path) -> PreparedData:
+    import datasets
+
+    report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    train = datasets.load_from_disk(str(folder / "train"))
+    evaluation = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
+    return PreparedData(train, evaluation, report)
+
+
+def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_sources) -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    data = recipe.data
+    bad: list[str] = []
+    train_examples = _examples(train_sources, data, bad)
+    if eval_sources:
+        eval_examples = _examples(eval_sources, data, bad)
+    elif data.eval_fraction:
+        order = list(range(len(train_examples)))
+        random.Random(recipe.train.get("seed", 42)).shuffle(order)
+        held_out = set(order[: max(1, round(len(order) * data.eval_fraction))])
+        eval_examples = [e for i, e in enumerate(train_examples) if i in held_out]
+        train_examples = [e for i, e in enumerate(train_examples) if i not in held_out]
+    else:
+        eval_examples = []
+
+    renderer = Renderer(tokenizer, template, data.template_date, data.loss_on)
+    max_length = recipe.train["max_length"]
+    train_rows, train_stats = _encode(train_examples, renderer, max_length, bad)
+    eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad)
+    if bad and data.bad_rows == "fail":
+        shown = "\n".join(f"  {line}" for line in bad[:SHOWN_BAD_ROWS])
+        more = f"\n  ... and {len(bad) - SHOWN_BAD_ROWS} more" if len(bad) > SHOWN_BAD_ROWS else ""
+        raise UserError(
+            f"{len(bad)} bad data row{'s' if len(bad) != 1 else ''}:\n{shown}{more}\n"
+            "Fix them, or set data.bad_rows=drop to skip them (the count is reported)."
+        )
+    if not train_rows:
+        raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
+
+    report = {
+        "rows": {"train": len(train_rows), "eval": len(eval_rows)},
+        "bad_rows": {"count": len(bad), "shown": bad[:SHOWN_BAD_ROWS], "policy": data.bad_rows},
+        "train": train_stats,
+        "eval": eval_stats,
+        "max_length": max_length,
+        "example": _marked_example(tokenizer, *train_rows[0]),
+    }
+    splits = {"train": train_rows, "eval": eval_rows}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
+    for name, rows in splits.items():
+        if not rows:
+            continue
+        table = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+        if recipe.train["packing"]:
+            table = _pack(table, max_length)
+            report[name]["packed_rows"] = len(table)
+            report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
+        table.save_to_disk(str(staging / name))
+    (staging / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    try:
+        staging.rename(folder)
+    except OSError:  # another process finished the same preparation first
+        shutil.rmtree(staging)
+
+
+def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
+    """(where, normalized example) for every usable row; the others go to `bad` as 'where: reason'."""
+    examples = []
+    for source in source_list:
+        fmt = None if data.format == "auto" else data.format
+        for number, (where, row) in enumerate(source.rows(), 1):
+            if data.max_rows is not None and number > data.max_rows:
+                break
+            if isinstance(row, BadRow):
+                bad.append(f"{where}: {row}")
+                continue
+            if fmt is None:
+                fmt = formats.detect_format(row, data.columns)
+                if fmt is None:
+                    raise UserError(
+                        f"{where}: cannot tell the data format from its fields ({', '.join(map(str, row))}); "
+                        f"set data.format ({', '.join(formats.FORMATS)}) and data.columns to map your fields"
+                    )
+            try:
+                examples.append((where, formats.normalize(row, fmt, data.columns, data.system_prompt)))
+            except BadRow as reason:
+                bad.append(f"{where}: {reason}")
+    return examples
+
+
+def _encode(examples, renderer: Renderer, max_length: int, bad: list[str]):
+    rows, lengths, truncated, untrainable = [], [], 0, 0
+    for where, example in examples:
+        try:
+            ids, labels = renderer.encode(example)
+        except BadRow as reason:
+            bad.append(f"{where}: {reason}")
+            continue
+        lengths.append(len(ids))
+        if len(ids) > max_length:
+            truncated += 1
+            ids, labels = ids[:max_length], labels[:max_length]
+        if all(label == IGNORE for label in labels):
+            untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
+            continue
+        rows.append((ids, labels))
+    tokens = sum(len(ids) for ids, _ in rows)
+    trained = sum(label != IGNORE for _, labels in rows for label in labels)
+    return rows, {
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "trained_fraction": trained / tokens if tokens else 0.0,
+        "length_percentiles": _percentiles(lengths),
+        "truncated_rows": truncated,
+        "dropped_no_trained_tokens": untrainable,
+    }
+
+
+def _percentiles(lengths: list[int]) -> dict[str, int]:
+    if not lengths:
+        return {}
+    if len(lengths) == 1:
+        return {"p50": lengths[0], "p90": lengths[0], "p99": lengths[0], "max": lengths[0]}
+    cuts = statistics.quantiles(lengths, n=100, method="inclusive")
+    return {"p50": round(cuts[49]), "p90": round(cuts[89]), "p99": round(cuts[98]), "max": max(lengths)}
+
+
+def _pack(table, max_length: int):
+    """Several examples per row (best-fit decreasing, TRL's); seq_lengths keeps their boundaries for attention."""
+    from trl.data_utils import pack_dataset
+
+    return pack_dataset(table, max_length, strategy="bfd")
+
+
+def _marked_example(tokenizer, ids: list[int], labels: list[int]) -> str:
+    """The example as text, with the tokens that carry loss between ⟦ and ⟧."""
+    pieces, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or (labels[end] != IGNORE) != (labels[start] != IGNORE):
+            text = tokenizer.decode(ids[start:end])
+            pieces.append(f"{MARK_OPEN}{text}{MARK_CLOSE}" if labels[start] != IGNORE else text)
+            start = end
+    return "".join(pieces)

@@ -1,0 +1,151 @@
+"""Render examples to token ids and labels, with exact loss masks.
+
+Chat examples go through the chat template. An assistant turn's trained tokens start where the rendering of the
+conversation before it, with the generation prompt, ends: exactly what the model sees at inference before it writes.
+They end with the turn's end-of-turn token: where the rendering of the conversation up to and including the turn
+ends, for templates whose renderings of a growing conversation are prefixes of each other (Llama 3.2's official
+template, for one), or where the template's `{% generation %}` block ends, for templates that have those markers
+(TRL ships marked variants of templates that are not prefix-stable, such as GPT-OSS's, and we use them).
+Every prefix is checked against the full rendering; a conversation the template renders inconsistently is a bad row,
+never a silently wrong mask.
+
+Templates see a fixed date (`strftime_now`), so renders, masks and the cache do not change with the clock.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+from finetune.data.formats import BadRow
+
+IGNORE = -100
+
+
+def training_template(tokenizer, template: str) -> str:
+    """The template to render training data with: the given one, or TRL's marked variant of it when TRL has one."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    if has_generation_markers(template):
+        return template
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template
+    try:
+        return get_training_chat_template(tokenizer) or template
+    except ValueError:  # TRL has no variant for it: we rely on its prefixes
+        return template
+    finally:
+        tokenizer.chat_template = original
+
+
+class Renderer:
+    def __init__(self, tokenizer, template: str | None, template_date: str, loss_on: str = "assistant"):
+        from trl.chat_template_utils import has_generation_markers
+
+        self.tokenizer = tokenizer
+        self.template = template
+        self.has_markers = template is not None and has_generation_markers(template)
+        self.loss_on = loss_on
+        self._special_ids = set(tokenizer.get_added_vocab().values())
+        fixed = date.fromisoformat(template_date)
+        self._template_kwargs = {"strftime_now": fixed.strftime}
+
+    def encode(self, example: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Token ids and labels (the id where the token carries loss, else -100)."""
+        if "segments" in example:
+            return self._encode_text(example["segments"])
+        if self.template is None:
+            raise BadRow("the tokenizer has no chat template; set model.chat_template to a .jinja file")
+        return self._encode_chat(example["messages"], example.get("tools"))
+
+    def render_text(self, example: dict[str, Any], add_generation_prompt: bool = False) -> str:
+        """The example as the model sees it, as text."""
+        if "segments" in example:
+            return "".join(segment["text"] for segment in example["segments"])
+        return self.tokenizer.apply_chat_template(
+            example["messages"], tools=example.get("tools"), chat_template=self.template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **self._template_kwargs,
+        )
+
+    def _tokens(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False,
+                with_mask: bool = False) -> dict[str, list[int]]:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, chat_template=self.template, tokenize=True, return_dict=True,
+                add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
+                **self._template_kwargs,
+            )
+        except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
+            raise BadRow(f"the chat template cannot render it: {error}") from None
+
+    def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+        full = self._tokens(messages, tools, with_mask=self.has_markers and self.loss_on == "assistant")
+        ids = list(full["input_ids"])
+        if self.loss_on == "all":
+            return ids, list(ids)
+        labels = [IGNORE] * len(ids)
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant" or message.get("train") is False:
+                continue
+            start = self._prefix_length(ids, messages[:index], tools, index, add_generation_prompt=True)
+            if self.has_markers:
+                marked = full["assistant_masks"]
+                if start >= len(ids) or not marked[start]:
+                    raise BadRow(f"message {index + 1}: the template's generation block does not cover the answer")
+                end = start
+                while end < len(ids) and marked[end]:
+                    end += 1
+            else:
+                end = self._prefix_length(ids, messages[: index + 1], tools, index)
+            end = self._through_end_of_turn(ids, start, end)
+            labels[start:end] = ids[start:end]
+        if all(label == IGNORE for label in labels):
+            raise BadRow("no assistant tokens after rendering")
+        return ids, labels
+
+    def _through_end_of_turn(self, ids: list[int], start: int, end: int) -> int:
+        """Drop template glue after the turn's end token (ChatML's newline after <|im_end|>): never generated."""
+        while end > start + 1 and ids[end - 2] in self._special_ids and not self.tokenizer.decode(ids[end - 1]).strip():
+            end -= 1
+        return end
+
+    def _prefix_length(self, ids: list[int], messages: list[dict], tools: list | None, index: int,
+                       add_generation_prompt: bool = False) -> int:
+        prefix = self._tokens(messages, tools, add_generation_prompt=add_generation_prompt)["input_ids"]
+        if ids[: len(prefix)] != list(prefix):
+            side = "before" if add_generation_prompt else "through"
+            raise BadRow(
+                f"message {index + 1}: the chat template renders the conversation {side} this turn differently "
+                "from the full conversation, so its loss mask cannot be derived; use a template with "
+                "{% generation %} markers (model.chat_template)"
+            )
+        return len(prefix)
+
+    def _encode_text(self, segments: list[dict]) -> tuple[list[int], list[int]]:
+        """Raw text: the segments joined, then the end-of-sequence token, trained where their segment is."""
+        tokenizer = self.tokenizer
+        text = "".join(segment["text"] for segment in segments)
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+        if self.loss_on == "all" or all(segment["train"] for segment in segments):
+            return ids, list(ids)
+        labels = [IGNORE] * len(ids)
+        consumed = ""
+        for segment in segments:
+            # Where a segment starts is where the tokenization of the text before it stops agreeing with the whole.
+            start = _common_prefix(ids, tokenizer(consumed, add_special_tokens=True)["input_ids"]) if consumed else 0
+            consumed += segment["text"]
+            end = _common_prefix(ids, tokenizer(consumed, add_special_tokens=True)["input_ids"])
+            if segment is segments[-1]:
+                end = len(ids)
+            if segment["train"]:
+                labels[start:end] = ids[start:end]
+        return ids, labels
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,41 @@
+"""Human-readable summaries of prepared data (used by `finetune validate` and at the start of training)."""
+
+from __future__ import annotations
+
+from finetune.data.pipeline import MARK_CLOSE, MARK_OPEN
+
+
+def describe_data(report: dict) -> str:
+    lines = ["Data"]
+    for split in ("train", "eval"):
+        rows = report["rows"][split]
+        if not rows:
+            continue
+        stats = report[split]
+        p = stats["length_percentiles"]
+        lines.append(
+            f"  {split}: {rows:,} rows, {stats['tokens']:,} tokens, "
+            f"{stats['trained_fraction']:.1%} of tokens carry loss"
+        )
+        lines.append(
+            f"    tokens per row: p50 {p['p50']}, p90 {p['p90']}, p99 {p['p99']}, max {p['max']}; "
+            f"{stats['truncated_rows']:,} rows truncated at max_length {report['max_length']}"
+        )
+        if stats["dropped_no_trained_tokens"]:
+            lines.append(
+                f"    {stats['dropped_no_trained_tokens']:,} rows dropped: nothing to learn within max_length"
+            )
+        if "packed_rows" in stats:
+            lines.append(
+                f"    packed into {stats['packed_rows']:,} rows of up to {report['max_length']} tokens, "
+                f"{stats['packed_fill']:.1%} full; batches are padding-free (100% real tokens)"
+            )
+    bad = report["bad_rows"]
+    if bad["count"]:
+        lines.append(f"  bad rows dropped (data.bad_rows={bad['policy']}): {bad['count']:,}")
+        lines += [f"    {line}" for line in bad["shown"]]
+    else:
+        lines.append("  bad rows: none")
+    lines.append(f"Example (tokens that carry loss are between {MARK_OPEN} and {MARK_CLOSE}):")
+    lines += [f"  {line}" for line in report["example"].splitlines()]
+    return "\n".join(lines)

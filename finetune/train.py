@@ -1,0 +1,116 @@
+"""Training entry point: `finetune train RECIPE` on one process, and on N processes
+
+    accelerate launch --config_file accelerate_configs/NAME.yaml -m finetune.train RECIPE [key=value ...]
+
+Both run `run()` below: recipe -> tokenizer -> data -> model -> TRL SFTTrainer -> train -> save.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+import transformers
+from accelerate import PartialState
+
+from finetune.config import load_recipe
+from finetune.data.collate import PackedRowsCollator
+from finetune.data.pipeline import prepare
+from finetune.model import load_model, load_tokenizer
+from finetune.report import describe_data
+from finetune.run_folder import FINAL_NAME, ProgressCallback, RunFolder, StopRequest, check_free, save_recipe
+from finetune.trainer import Trainer
+
+logger = logging.getLogger("finetune")
+
+
+def run(recipe_path: str, overrides: list[str]) -> str:
+    """Train; return the final status (completed or stopped). UserError for anything the user must fix first."""
+    recipe = load_recipe(recipe_path, overrides)
+    transformers.utils.logging.disable_progress_bar()  # weight loading and saving bars; the training bar stays
+    state = PartialState()
+    check_free(recipe.output_dir)
+    state.wait_for_everyone()  # every process checked before the main one creates the folder
+
+    precision = training_precision(recipe.train)
+    tokenizer = load_tokenizer(recipe)
+    with state.main_process_first():
+        data = prepare(recipe, tokenizer, tokenizer.chat_template)
+    if state.is_main_process:
+        print(describe_data(data.report), flush=True)
+    flash = "flash" in (recipe.model.attn_implementation or "")
+    args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash))
+    transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
+    model, peft_config = load_model(recipe, precision)
+
+    run_folder = RunFolder(recipe.output_dir)
+    if state.is_main_process:
+        run_folder.create(recipe)
+        logger.info("run folder %s", run_folder.path)
+    stop = StopRequest()
+    progress = ProgressCallback(run_folder, recipe, stop)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[progress],
+    )
+    started = time.monotonic()
+    try:
+        trainer.train()
+        status = "stopped" if progress.stopped else "completed"
+        final = run_folder.path / FINAL_NAME
+        trainer.save_model(str(final))  # adapter or full model; every process joins, the main one writes
+        if state.is_main_process:
+            tokenizer.save_pretrained(final)
+            save_recipe(recipe, final)
+            run_folder.finish(status, trainer.state.global_step, time.monotonic() - started)
+    except BaseException as error:
+        if state.is_main_process:
+            message = "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+            run_folder.finish("failed", trainer.state.global_step, time.monotonic() - started, message)
+        raise
+    if state.is_main_process:
+        print(f"{status}: {final}", flush=True)
+    return status
+
+
+def training_precision(train: dict) -> dict:
+    """bf16 where the hardware has it (fp16 on CUDA cards without it), unless the recipe chose."""
+    if train.get("bf16") is not None or train.get("fp16") is not None:
+        return {}
+    if torch.cuda.is_available():
+        bf16 = torch.cuda.is_bf16_supported()
+        return {"bf16": bf16, "fp16": not bf16}
+    return {"bf16": False}  # CPU: float32; bf16 autocast on CPU is slower than float32 on most machines
+
+
+def runtime_arguments(recipe, data, flash: bool) -> dict:
+    """SFTConfig values that depend on this machine, model and data rather than on the recipe."""
+    arguments = {
+        # Our data is already tokenized, truncated and packed: TRL only batches it. FlashAttention takes packed
+        # rows flattened into one sequence (TRL's padding-free collator); other attention takes PackedRowsCollator.
+        "packing": False,
+        "padding_free": recipe.train["packing"] and flash,
+        "max_length": None,
+        "use_cpu": recipe.train.get("use_cpu", not torch.cuda.is_available()),
+    }
+    if data.eval is not None and "eval_strategy" not in recipe.train:
+        arguments["eval_strategy"] = "steps" if "eval_steps" in recipe.train else "epoch"
+    return arguments
+
+
+def main(argv: list[str] | None = None) -> int:
+    from finetune.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
