@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -87,11 +88,14 @@ def train_command(args) -> int:
                "-m", "finetune.train", args.recipe, *args.overrides]
     print("launching:", " ".join(command[2:]), flush=True)
     process = subprocess.Popen(command)
+    # A stop request (SIGTERM, or Ctrl-C, which the terminal also sends to the launcher) passes to the launcher,
+    # whose processes then stop at the end of a step with a checkpoint; this process waits for them.
+    signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signal.SIGTERM))
     while True:
         try:
             return process.wait()
         except KeyboardInterrupt:
-            continue  # Ctrl-C reached the training processes too; they stop with a checkpoint
+            continue
 
 
 def _check(recipe_path: str, overrides: list[str]):

@@ -106,18 +106,20 @@ TRAIN_DEFAULTS: dict[str, Any] = {
 }
 LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 
-# SFTConfig fields that another part of the recipe owns: setting them under train.* would be silently ignored.
-OWNED_ELSEWHERE = {
-    "output_dir": "the top-level output_dir",
-    "assistant_only_loss": "data.loss_on (assistant | all)",
-    "completion_only_loss": "data.loss_on (assistant | all)",
-    "dataset_text_field": "data.columns, e.g. {text: my_field}",
-    "chat_template_path": "model.chat_template",
-    "model_init_kwargs": "the model.* keys",
-    "trust_remote_code": "model.trust_remote_code",
-    "padding_free": "train.packing (packed rows are always padding-free)",
-    "dataset_kwargs": "the data.* keys",
-    "eos_token": "the tokenizer's own end-of-turn token",
+# SFTConfig fields that this toolkit decides elsewhere: under train.* they would be silently ignored, so they are refused.
+NOT_USED = {
+    "output_dir": "set the top-level output_dir",
+    "assistant_only_loss": "set data.loss_on (assistant | all)",
+    "completion_only_loss": "set data.loss_on (assistant | all)",
+    "dataset_text_field": "map your field with data.columns, e.g. {text: my_field}",
+    "chat_template_path": "set model.chat_template",
+    "model_init_kwargs": "use the model.* keys",
+    "trust_remote_code": "set model.trust_remote_code",
+    "dataset_kwargs": "use the data.* keys",
+    "eos_token": "examples end with the tokenizer's own end-of-turn token",
+    "padding_free": "packed rows are batched with next to no padding (FlashAttention: none); set train.packing",
+    "packing_strategy": "packing keeps whole examples (best-fit decreasing); train.packing turns it on or off",
+    "resume_from_checkpoint": "resuming a run is not supported yet; start a new run in a new output_dir",
 }
 
 
@@ -131,7 +133,10 @@ class Recipe:
     output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        resolved = dataclasses.asdict(self)
+        if self.method == "full":
+            del resolved["lora"]  # no adapter: its settings would only mislead
+        return resolved
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -195,7 +200,10 @@ def _set_dotted(raw: dict, key: str, value: Any, override: str) -> None:
 
 def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
     def origin(key: str) -> str:
-        return origins.get(key, where)
+        """The override that set `key` (or a key inside it), else the recipe file."""
+        if key in origins:
+            return origins[key]
+        return next((text for set_key, text in origins.items() if set_key.startswith(key + ".")), where)
 
     _reject_unknown(raw, Recipe, "", origin)
     values: dict[str, Any] = {}
@@ -398,8 +406,8 @@ def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
     train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[recipe.method]}
     for key, value in recipe.train.items():
         where = origin(f"train.{key}")
-        if key in OWNED_ELSEWHERE:
-            raise UserError(f"{where}: train.{key} is not used here; set it with {OWNED_ELSEWHERE[key]}")
+        if key in NOT_USED:
+            raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
         if key not in fields:
             raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig){_suggest('train.' + key)}")
         train[key] = _coerce(value, fields[key], f"train.{key}", where)

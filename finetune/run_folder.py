@@ -28,6 +28,7 @@ CONFIG_NAME = "finetune.yaml"
 PROGRESS_NAME = "progress.jsonl"
 LOG_NAME = "train.log"
 FINAL_NAME = "final"
+EVAL_KEYS = ("eval_loss", "eval_mean_token_accuracy")
 
 logger = logging.getLogger("finetune")
 
@@ -55,7 +56,11 @@ class RunFolder:
         handler = logging.FileHandler(self.path / LOG_NAME, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         for name in ("finetune", "transformers", "trl", "peft", "accelerate", "py.warnings"):
-            logging.getLogger(name).addHandler(handler)
+            library = logging.getLogger(name)
+            for console in library.handlers:  # the terminal keeps showing warnings only; the file gets info too
+                console.setLevel(max(console.level, logging.WARNING))
+            library.addHandler(handler)
+            library.setLevel(logging.INFO)
         logging.captureWarnings(True)
 
     def append(self, row: dict[str, Any]) -> None:
@@ -134,7 +139,7 @@ class ProgressCallback(TrainerCallback):
         now = time.monotonic()
         row: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
         if "loss" in logs:
-            tokens = int(logs.get("real_tokens", 0))
+            tokens = int(logs.get("num_tokens", 0))
             row.update(
                 loss=logs["loss"],
                 learning_rate=logs.get("learning_rate"),
@@ -144,7 +149,7 @@ class ProgressCallback(TrainerCallback):
                 trained_tokens=int(logs.get("trained_tokens", 0)),
             )
             self.last_time, self.last_tokens = now, tokens
-        row.update({key: value for key, value in logs.items() if key.startswith("eval_")})
+        row.update({key: logs[key] for key in EVAL_KEYS if key in logs})
         if len(row) == 2:
             return  # the end-of-training summary: the status line says it
         row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(now - self.start, 2))

@@ -26,8 +26,10 @@ from finetune.trainer import Trainer
 logger = logging.getLogger("finetune")
 
 
-def run(recipe_path: str, overrides: list[str]) -> str:
-    """Train; return the final status (completed or stopped). UserError for anything the user must fix first."""
+def run(recipe_path: str, overrides: list[str], callbacks: tuple = ()) -> str:
+    """Train; return the final status (completed or stopped). UserError for anything the user must fix first.
+
+    `callbacks` are extra TrainerCallbacks (the benchmarks use one to measure)."""
     recipe = load_recipe(recipe_path, overrides)
     transformers.utils.logging.disable_progress_bar()  # weight loading and saving bars; the training bar stays
     state = PartialState()
@@ -49,36 +51,37 @@ def run(recipe_path: str, overrides: list[str]) -> str:
     if state.is_main_process:
         run_folder.create(recipe)
         logger.info("run folder %s", run_folder.path)
-    stop = StopRequest()
-    progress = ProgressCallback(run_folder, recipe, stop)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[progress],
-    )
+    progress = ProgressCallback(run_folder, recipe, StopRequest())
     started = time.monotonic()
+    trainer = None
     try:
+        trainer = Trainer(
+            model=model,
+            args=args,
+            data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=[progress, *callbacks],
+            similar_lengths="train_sampling_strategy" not in recipe.train,
+        )
         trainer.train()
-        status = "stopped" if progress.stopped else "completed"
         final = run_folder.path / FINAL_NAME
-        trainer.save_model(str(final))  # adapter or full model; every process joins, the main one writes
+        trainer.save_model(str(final))  # the adapter, or the full model; every process joins, the main one writes
+        status = "stopped" if progress.stopped else "completed"
         if state.is_main_process:
             tokenizer.save_pretrained(final)
             save_recipe(recipe, final)
             run_folder.finish(status, trainer.state.global_step, time.monotonic() - started)
+            print(f"{status}: {final}", flush=True)
+        return status
     except BaseException as error:
         if state.is_main_process:
             message = "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
-            run_folder.finish("failed", trainer.state.global_step, time.monotonic() - started, message)
+            step = trainer.state.global_step if trainer is not None else 0
+            run_folder.finish("failed", step, time.monotonic() - started, message)
         raise
-    if state.is_main_process:
-        print(f"{status}: {final}", flush=True)
-    return status
 
 
 def training_precision(train: dict) -> dict:

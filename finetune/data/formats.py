@@ -208,6 +208,7 @@ def _tools(tools: Any) -> list | None:
             tools = json.loads(tools)
         except json.JSONDecodeError:
             raise BadRow("tools is not valid JSON") from None
-    if not isinstance(tools, list):
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise BadRow("tools must be a list of function definitions")
-    return tools or None
+    # Chat templates expect the OpenAI form {"type": "function", "function": {name, description, parameters}}.
+    return [tool if "function" in tool else {"type": "function", "function": tool} for tool in tools] or None

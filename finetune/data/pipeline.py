@@ -15,6 +15,7 @@ import random
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,9 @@ def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
     key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
     folder = builtin.home() / "data" / key
     if not (folder / "report.json").exists():
+        started = time.monotonic()
         _build(folder, recipe, tokenizer, template, train_sources, eval_sources)
+        print(f"Prepared the data in {time.monotonic() - started:.1f}s; cached in {folder}", flush=True)
     return _load(folder)
 
 
@@ -215,7 +218,7 @@ def _marked_example(tokenizer, ids: list[int], labels: list[int]) -> str:
     pieces, start = [], 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or (labels[end] != IGNORE) != (labels[start] != IGNORE):
-            text = tokenizer.decode(ids[start:end])
+            text = tokenizer.decode(ids[start:end], clean_up_tokenization_spaces=False)
             pieces.append(f"{MARK_OPEN}{text}{MARK_CLOSE}" if labels[start] != IGNORE else text)
             start = end
     return "".join(pieces)

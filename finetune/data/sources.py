@@ -3,13 +3,14 @@
 A source is written as a path (a .jsonl/.json/.parquet/.csv file, or a folder of them), `builtin:NAME`, or a Hub
 dataset `owner/name`, optionally `owner/name:subset@split` (split defaults to train).
 
-JSON and JSONL are read with Python's json module rather than through Arrow: Arrow unifies the keys of nested
-objects across rows, which would add null-valued keys to tool-call arguments and reject a row with a number where
-others have text before we could report which row it was.
+JSON, JSONL and CSV are read with Python's own json and csv modules rather than through Arrow: Arrow unifies the
+keys of nested objects across rows (adding null-valued keys to tool-call arguments), rejects a row with a number
+where others have text before we could say which row it was, and guesses types for CSV text ("42" becomes 42).
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from collections.abc import Iterator
@@ -30,10 +31,6 @@ class Source:
     files: list[Path]
     hub: tuple[str, str | None, str] | None = None  # (name, subset, split)
     _hub_dataset: Any = None
-
-    @property
-    def label(self) -> str:
-        return self.spec
 
     def fingerprint(self) -> str:
         """Changes whenever the rows could: file contents, or the Hub dataset's own fingerprint."""
@@ -119,9 +116,14 @@ def _file_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
             except BadRow as bad:
                 yield f"{path} row {number}", bad
         return
+    if path.suffix == ".csv":
+        with open(path, encoding="utf-8", newline="") as handle:
+            for number, row in enumerate(csv.DictReader(handle), 1):
+                yield f"{path} row {number}", row
+        return
     import datasets
 
-    table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+    table = datasets.load_dataset("parquet", data_files=str(path), split="train")
     for number, row in enumerate(table, 1):
         yield f"{path} row {number}", row
 

@@ -1,0 +1,84 @@
+"""Shared fixtures. Tests never download: models are builtin or built from configs, tokenizers and datasets come
+from ../shared/assets (or $FINETUNE_SHARED_ASSETS) and tests that need them skip with the reason when absent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = Path(os.environ.get("FINETUNE_SHARED_ASSETS", REPO.parent / "shared" / "assets"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory):
+    """Builtin models and the data cache go to a fresh folder, never the user's; the Hub is never contacted."""
+    home = tmp_path_factory.mktemp("finetune-home")
+    saved = {key: os.environ.get(key) for key in ("FINETUNE_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    os.environ.update(FINETUNE_HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    yield home
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def asset(relative: str) -> Path:
+    path = ASSETS / relative
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared test assets (../shared/assets or $FINETUNE_SHARED_ASSETS) are needed")
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(asset("tokenizers/llama-3.2-instruct"))
+
+
+@pytest.fixture(scope="session")
+def gptoss_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(asset("tokenizers/gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def builtin_tokenizer():
+    from finetune.builtin import make_tokenizer
+
+    return make_tokenizer()
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900, module: str = "finetune"):
+    """Run `python -m finetune ...` (or another module) as a user would; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_recipe(folder: Path, text: str, name: str = "recipe.yaml") -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The runs of tokens that carry loss, decoded, in order."""
+    spans, current = [], []
+    for token, label in zip(ids, labels):
+        if label != -100:
+            assert label == token
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(span, clean_up_tokenization_spaces=False) for span in spans]

@@ -1,0 +1,76 @@
+"""The command line as a user meets it: help, validate, and errors (one message, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli, write_recipe
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["validate", "--help"]])
+def test_help(args):
+    result = run_cli(*args)
+    assert result.returncode == 0 and "usage: finetune" in result.stdout and not result.stderr
+
+
+def test_training_module_help_is_the_train_command():
+    result = run_cli("--help", module="finetune.train")
+    assert result.returncode == 0 and "usage: finetune train" in result.stdout
+
+
+def test_validate_prints_config_and_data_report(tmp_path):
+    result = run_cli("validate", "quickstart", f"output_dir={tmp_path / 'run'}", "train.max_length=128")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Recipe (resolved)" in out and "name_or_path: builtin:tiny-llama" in out and "max_length: 128" in out
+    assert "train: 5,880 rows" in out and "eval: 120 rows" in out and "of tokens carry loss" in out
+    assert "tokens per row: p50" in out and "rows truncated at max_length 128" in out and "packed into" in out
+    example = out.split("Example (tokens that carry loss are between ⟦ and ⟧):")[1]
+    assert "<|im_start|>user\n" in example and "<|im_start|>assistant\n  ⟦" in example and "<|im_end|>⟧" in example
+    assert "⟦<|im_start|>" not in example  # prompts never carry loss
+    assert out.rstrip().endswith("OK: the recipe and its data are valid.")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, message",
+    [
+        ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\nlora: {rnak: 8}\n", [],
+         "unknown key 'lora.rnak'; did you mean 'lora.r'?"),
+        ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\n", ["train.num_train_epochs=x"],
+         "train.num_train_epochs must be a number"),
+        ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\nmethod: full\nlora: {r: 8}\n",
+         [], "method is full"),
+        ("model: {name_or_path: ./no/such/model}\ndata: {train: builtin:greetings}\n", [],
+         "cannot load a tokenizer from './no/such/model'"),
+        ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: missing.jsonl}\n", [], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_message_exit_2_and_no_run_folder(tmp_path, recipe, overrides, message):
+    path = write_recipe(tmp_path, recipe)
+    result = run_cli("train", str(path), f"output_dir={tmp_path / 'run'}", *overrides, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_validate_reports_bad_input_the_same_way(tmp_path):
+    path = write_recipe(tmp_path, "model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\n")
+    result = run_cli("validate", str(path), "lora.rnak=8")
+    assert result.returncode == 2 and result.stderr == (
+        "error: override 'lora.rnak=8': unknown key 'lora.rnak'; did you mean 'lora.r'?\n"
+    )
+
+
+def test_existing_output_dir_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "progress.jsonl").write_text("")
+    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "already exists and is not empty" in result.stderr
+
+
+def test_unknown_accelerate_config(tmp_path):
+    result = run_cli("train", "quickstart", "--accelerate-config", "ddp_9gpu", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "accelerate config 'ddp_9gpu' not found" in result.stderr
+    assert "cpu_ddp_2proc, ddp_8gpu, single_gpu" in result.stderr

@@ -1,0 +1,120 @@
+"""Loading, bad rows, splits and the preprocessing cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.config import load_recipe
+from finetune.data import pipeline
+from finetune.data.pipeline import prepare
+from finetune.errors import UserError
+from tests.conftest import write_recipe
+
+
+def alpaca(i: int) -> dict:
+    return {"instruction": f"Say {i}.", "output": f"{i}"}
+
+
+def recipe_for(tmp_path, train, *overrides):
+    text = f"model: {{name_or_path: builtin:tiny-llama}}\ndata: {{train: {json.dumps(str(train))}}}\n"
+    return load_recipe(write_recipe(tmp_path, text), ["train.max_length=128", *overrides])
+
+
+def tokenizer():
+    from finetune.builtin import make_tokenizer
+
+    return make_tokenizer()
+
+
+def run(recipe):
+    tok = tokenizer()
+    return prepare(recipe, tok, tok.chat_template)
+
+
+def test_every_file_type_and_folders(tmp_path):
+    import pandas
+
+    folder = tmp_path / "data"
+    (folder / "nested").mkdir(parents=True)
+    (folder / "a.jsonl").write_text("\n".join(json.dumps(alpaca(i)) for i in range(3)) + "\n")
+    (folder / "b.json").write_text(json.dumps([alpaca(i) for i in range(3, 5)]))
+    pandas.DataFrame([alpaca(i) for i in range(5, 9)]).to_parquet(folder / "nested" / "c.parquet")
+    pandas.DataFrame([alpaca(i) for i in range(9, 10)]).to_csv(folder / "d.csv", index=False)
+    (folder / "notes.txt").write_text("ignored")
+    data = run(recipe_for(tmp_path, folder, "train.packing=false"))
+    assert data.report["rows"] == {"train": 10, "eval": 0}
+    answers = sorted(tokenizer().decode([t for t in labels if t != -100]) for labels in data.train["labels"])
+    assert answers == sorted(f"{i}<|im_end|>" for i in range(10))
+
+
+def test_bad_rows_fail_with_file_and_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}),
+        "{not json",
+        json.dumps({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "Yo"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
+        json.dumps({"messages": []}),
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError) as caught:
+        run(recipe_for(tmp_path, path))
+    message = str(caught.value)
+    assert message.startswith("4 bad data rows:")
+    assert f"{path} line 2: not valid JSON" in message
+    assert f"{path} line 3: message 1 content is a number, not text" in message
+    assert f"{path} line 4: no assistant turn to learn from" in message
+    assert f"{path} line 5: empty conversation" in message
+    assert "data.bad_rows=drop" in message
+
+    data = run(recipe_for(tmp_path, path, "data.bad_rows=drop"))
+    assert data.report["rows"]["train"] == 1 and data.report["bad_rows"]["count"] == 4
+
+
+def test_unknown_format_and_missing_paths(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(UserError, match=r"qa.jsonl line 1: cannot tell the data format from its fields \(question, answer\)"):
+        run(recipe_for(tmp_path, path))
+    data = run(recipe_for(tmp_path, path, "data.format=alpaca", "data.columns={instruction: question, output: answer}"))
+    assert data.report["rows"]["train"] == 1
+    with pytest.raises(UserError, match="does not exist"):
+        run(recipe_for(tmp_path, tmp_path / "missing.jsonl"))
+
+
+def test_hub_dataset_offline_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="'someone/no-such-dataset': not a local file or folder, and loading it from"):
+        run(recipe_for(tmp_path, "someone/no-such-dataset"))
+
+
+def test_eval_fraction_and_max_rows(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps(alpaca(i)) for i in range(100)) + "\n")
+    data = run(recipe_for(tmp_path, path, "data.eval_fraction=0.1"))
+    assert data.report["rows"] == {"train": 90, "eval": 10}
+    assert run(recipe_for(tmp_path, path, "data.max_rows=20")).report["rows"]["train"] == 20
+
+
+def test_truncation_and_untrainable_rows_are_counted(tmp_path):
+    path = tmp_path / "a.jsonl"
+    long_prompt = {"instruction": "x" * 400, "output": "y"}
+    path.write_text("\n".join(json.dumps(r) for r in [alpaca(1), long_prompt]) + "\n")
+    report = run(recipe_for(tmp_path, path)).report
+    assert report["train"]["truncated_rows"] == 1 and report["train"]["dropped_no_trained_tokens"] == 1
+    assert report["rows"]["train"] == 1
+
+
+def test_cached_by_content(tmp_path, monkeypatch):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps(alpaca(i)) for i in range(10)) + "\n")
+    recipe = recipe_for(tmp_path, path)
+    first = run(recipe)
+    built = []
+    monkeypatch.setattr(pipeline, "_build", lambda *args: built.append(args) or pytest.fail("rebuilt"))
+    assert run(recipe).report == first.report  # same data, tokenizer and settings: read from the cache
+    path.write_text("\n".join(json.dumps(alpaca(i)) for i in range(11)) + "\n")
+    with pytest.raises(pytest.fail.Exception):
+        run(recipe)  # contents changed: prepared again
+    assert len(built) == 1

@@ -1,0 +1,158 @@
+"""Exact loss masks: the tokens that carry loss decode to exactly the assistant turns and their end-of-turn token.
+
+Checked with the toolkit's own tokenizer and, when ../shared/assets is present, with the real Llama 3.2 Instruct
+and GPT-OSS tokenizers (Llama's official template has no generation markers: masks come from its prefixes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.data import formats, sources
+from finetune.data.formats import BadRow, normalize
+from finetune.data.render import Renderer, training_template
+from tests.conftest import asset, trained_spans
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": "18C"},
+        {"role": "assistant", "content": "18C and sunny.", "thinking": "The tool said 18C."},
+    ],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Current weather.",
+                                                "parameters": {"type": "object"}}}],
+}
+ROWS = {  # one multi-turn row per format, in the format's own shape
+    "messages": MULTI_TURN,
+    "sharegpt": {"conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there"},
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+        {"from": "observation", "value": "18C"}, {"from": "gpt", "value": "18C and sunny."}],
+        "tools": '[{"name": "get_weather", "description": "Current weather.", "parameters": {"type": "object"}}]'},
+    "alpaca": {"instruction": "Add.", "input": "2 and 3", "output": "5"},
+    "prompt_completion": {
+        "prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                   {"role": "user", "content": "Say bye"}],
+        "completion": [{"role": "assistant", "content": "Goodbye"}]},
+}
+
+
+def spans(tokenizer, row, fmt, loss_on="assistant", template=None):
+    renderer = Renderer(tokenizer, template or training_template(tokenizer, tokenizer.chat_template), "2024-07-26",
+                        loss_on)
+    ids, labels = renderer.encode(normalize(row, fmt, {}, None))
+    return trained_spans(tokenizer, ids, labels)
+
+
+BUILTIN_EXPECTED = {
+    "messages": ["Hello there<|im_end|>",
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
+                 "<think>The tool said 18C.</think>\n18C and sunny.<|im_end|>"],
+    "sharegpt": ["Hello there<|im_end|>",
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>',
+                 "18C and sunny.<|im_end|>"],
+    "alpaca": ["5<|im_end|>"],
+    "prompt_completion": ["Goodbye<|im_end|>"],
+}
+LLAMA_TOOL_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+LLAMA_EXPECTED = {
+    "messages": ["Hello there<|eot_id|>", LLAMA_TOOL_CALL, "18C and sunny.<|eot_id|>"],  # no thinking in Llama
+    "sharegpt": ["Hello there<|eot_id|>", LLAMA_TOOL_CALL, "18C and sunny.<|eot_id|>"],
+    "alpaca": ["5<|eot_id|>"],
+    "prompt_completion": ["Goodbye<|eot_id|>"],
+}
+GPTOSS_CALL = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+GPTOSS_EXPECTED = {
+    "messages": ["<|channel|>final<|message|>Hello there<|end|>", GPTOSS_CALL,
+                 "<|channel|>analysis<|message|>The tool said 18C.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>18C and sunny.<|return|>"],
+    "sharegpt": ["<|channel|>final<|message|>Hello there<|end|>", GPTOSS_CALL,
+                 "<|channel|>final<|message|>18C and sunny.<|return|>"],
+    "alpaca": ["<|channel|>final<|message|>5<|return|>"],
+    "prompt_completion": ["<|channel|>final<|message|>Goodbye<|return|>"],
+}
+
+
+@pytest.mark.parametrize("fmt", ROWS)
+def test_builtin_tokenizer_masks(builtin_tokenizer, fmt):
+    assert spans(builtin_tokenizer, ROWS[fmt], fmt) == BUILTIN_EXPECTED[fmt]
+
+
+@pytest.mark.parametrize("fmt", ROWS)
+def test_llama_3_2_masks(llama_tokenizer, fmt):
+    assert spans(llama_tokenizer, ROWS[fmt], fmt) == LLAMA_EXPECTED[fmt]
+
+
+@pytest.mark.parametrize("fmt", ROWS)
+def test_gpt_oss_masks(gptoss_tokenizer, fmt):
+    assert spans(gptoss_tokenizer, ROWS[fmt], fmt) == GPTOSS_EXPECTED[fmt]
+
+
+def test_text_formats(builtin_tokenizer, llama_tokenizer):
+    for tokenizer in (builtin_tokenizer, llama_tokenizer):
+        eos = tokenizer.eos_token
+        assert spans(tokenizer, {"prompt": "Q: 2+2=", "completion": " 4"}, "prompt_completion") == [f" 4{eos}"]
+        text = spans(tokenizer, {"text": "Once upon a time."}, "text")
+        assert len(text) == 1 and text[0].endswith(f"Once upon a time.{eos}")
+
+
+def test_loss_on_all_trains_every_token(builtin_tokenizer):
+    renderer = Renderer(builtin_tokenizer, builtin_tokenizer.chat_template, "2024-07-26", "all")
+    ids, labels = renderer.encode(normalize(MULTI_TURN, "messages", {}, None))
+    assert labels == ids
+
+
+def test_template_date_is_fixed(llama_tokenizer):
+    renderer = Renderer(llama_tokenizer, llama_tokenizer.chat_template, "2024-07-26")
+    assert "Today Date: 26 Jul 2024" in renderer.render_text(normalize(ROWS["alpaca"], "alpaca", {}, None))
+
+
+def test_template_without_stable_prefixes_is_a_bad_row(gptoss_tokenizer):
+    """GPT-OSS's official template drops earlier turns' reasoning: without markers no exact mask exists."""
+    with pytest.raises(BadRow, match="renders the conversation through this turn differently"):
+        spans(gptoss_tokenizer, MULTI_TURN, "messages", template=gptoss_tokenizer.chat_template)
+
+
+DATASETS = {
+    "gsm8k/train.jsonl": {"instruction": "question", "output": "answer"},
+    "self-instruct/user_oriented_instructions.jsonl": {"input": "instances.0.input", "output": "instances.0.output"},
+    "sharegpt-fastchat/dummy_conversation.json": {},
+    "glaive-toolcall/glaive_toolcall_en_demo.json": {},
+}
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("which", ["llama", "gptoss"])
+def test_real_datasets_real_templates(dataset, which, request):
+    """On real rows, every assistant turn is trained exactly: its text and its end token, nothing else."""
+    tokenizer = request.getfixturevalue(f"{which}_tokenizer")
+    renderer = Renderer(tokenizer, training_template(tokenizer, tokenizer.chat_template), "2024-07-26")
+    checked = 0
+    for _, row in sources.resolve(str(asset(f"datasets/{dataset}")), "data.train").rows():
+        columns = DATASETS[dataset]
+        example = normalize(row, formats.detect_format(row, columns), columns, None)
+        ids, labels = renderer.encode(example)
+        answers = [m for m in example["messages"] if m["role"] == "assistant"]
+        got = trained_spans(tokenizer, ids, labels)
+        assert len(got) == len(answers)
+        for index, (span, message) in enumerate(zip(got, answers)):
+            last = index == len(answers) - 1
+            if message.get("tool_calls"):
+                assert message["tool_calls"][0]["function"]["name"] in span
+                assert span.endswith("<|eot_id|>" if which == "llama" else "<|call|>")
+            elif which == "llama":
+                assert span == message["content"].strip() + "<|eot_id|>"  # the template trims content
+            else:
+                end = "<|return|>" if last else "<|end|>"
+                assert span == f"<|channel|>final<|message|>{message['content']}{end}"
+        checked += 1
+        if checked == 150:
+            break
+    assert checked > 0

@@ -1,0 +1,99 @@
+"""The README's commands work as written (the GPU ones are checked for what they name, since CI has no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+FINETUNE = str(Path(sys.executable).parent / "finetune")  # the console script of this environment
+
+
+def commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    argv[0] = FINETUNE if argv[0] == "finetune" else argv[0]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+def test_exactly_two_install_commands_and_ci_runs_the_test_one():
+    install = [c for c in commands() if c.startswith("pip install")]
+    assert install == ['pip install -e . && finetune train quickstart', 'pip install -e ".[test]" && pytest']
+    assert install[1] in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_gpu_commands_name_shipped_configs():
+    gpu = [c for c in commands() if "ddp_8gpu" in c]
+    assert len(gpu) == 2
+    assert all((REPO / "accelerate_configs" / "ddp_8gpu.yaml").is_file() for _ in gpu)
+    assert "-m finetune.train" in gpu[1]
+
+
+@pytest.mark.integration
+def test_quickstart_learns_and_answers_prompts_it_never_saw(tmp_path):
+    """The README's first command, after its install step, from an empty working directory."""
+    install, quickstart = commands()[0].split(" && ")
+    result = run(quickstart, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "quickstart"
+    rows = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
+    assert rows[-1]["status"] == "completed"
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert evals[-1] <= evals[0] / 2, evals
+    train_rows = [row for row in rows if "loss" in row]
+    for key in ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens",
+                "trained_tokens", "peak_memory_gb", "elapsed_s"):
+        assert all(key in row for row in train_rows), key
+    assert (run_dir / "finetune.yaml").is_file() and (run_dir / "train.log").stat().st_size > 0
+    assert all((c / "finetune.yaml").is_file() for c in run_dir.glob("checkpoint-*"))
+    assert (run_dir / "final" / "finetune.yaml").is_file()
+    assert "completed: runs/quickstart/final" in result.stdout
+
+    unseen = ["Zorbel", "plimbo", "zendu"]
+    training_data = (Path(os.environ["FINETUNE_HOME"]) / "builtin" / "greetings" / "train.jsonl").read_text()
+    assert not any(word.lower() in training_data.lower() for word in unseen)
+    answers = generate(run_dir / "final", ["My name is Zorbel.", "Shout plimbo.", "Repeat zendu twice."])
+    assert answers == ["Nice to meet you, Zorbel!", "PLIMBO!", "zendu zendu"]
+
+
+def generate(folder: Path, prompts: list[str]) -> list[str]:
+    """Greedy answers from the saved model with plain transformers, using the chat template saved with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    answers = []
+    for prompt in prompts:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+        output = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+        answers.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
+@pytest.mark.integration
+def test_validate_command(tmp_path):
+    result = run(next(c for c in commands() if c.startswith("finetune validate")), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK: the recipe and its data are valid." in result.stdout
+
+
+@pytest.mark.integration
+def test_cpu_ddp_command(tmp_path):
+    result = run(next(c for c in commands() if "cpu_ddp_2proc" in c), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "ddp-try" / "progress.jsonl").read_text().splitlines()]
+    assert rows[-1] == {**rows[-1], "status": "completed", "step": 20}

@@ -1,0 +1,118 @@
+"""Training through the real command line: one process, two DDP processes, QLoRA, stopping, logging back-ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.integration
+
+# A few fast steps of the quickstart recipe, with LoRA, one loss per step and nothing random left unseeded.
+SHORT = [
+    "method=lora", "train.max_steps=6", "train.logging_steps=1", "train.eval_on_start=false",
+    "train.eval_strategy=no", "data.eval_fraction=0", "train.save_strategy=no", "train.learning_rate=1e-3",
+]
+
+
+def progress(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+
+
+def losses(run: Path) -> list[float]:
+    return [row["loss"] for row in progress(run) if "loss" in row]
+
+
+def adapter(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    one = run_cli("train", "quickstart", f"output_dir={tmp_path / 'one'}", "train.per_device_train_batch_size=4",
+                  *SHORT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
+         f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *SHORT],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(single) == len(ddp) == 6
+    assert max(abs(a - b) / abs(a) for a, b in zip(single, ddp)) <= 1e-4
+    assert single[-1] < single[0]  # and it trained
+    weights_one, weights_two = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert weights_one.keys() == weights_two.keys()
+    assert max((weights_one[k] - weights_two[k]).abs().max().item() for k in weights_one) <= 1e-5
+    assert progress(tmp_path / "two")[-1]["status"] == "completed"
+    # Only the main process writes: one progress row per step, not two.
+    assert [row["step"] for row in progress(tmp_path / "two") if "loss" in row] == [1, 2, 3, 4, 5, 6]
+
+
+def test_qlora_trains_on_cpu(tmp_path):
+    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", *SHORT, "method=qlora")
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 16
+    assert progress(tmp_path / "run")[-1]["status"] == "completed"
+
+
+def test_stop_request_saves_a_checkpoint_and_leaves_no_process(tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "train", "quickstart", "--accelerate-config", "cpu_ddp_2proc",
+         f"output_dir={run}", "method=lora", "train.max_steps=100000", "train.logging_steps=1",
+         "train.eval_on_start=false", "train.eval_strategy=no", "train.save_strategy=no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (run / "progress.jsonl").exists() or len(progress(run)) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=120)
+    rows = progress(run)
+    assert rows[-1]["status"] == "stopped"
+    step = rows[-1]["step"]
+    assert (run / f"checkpoint-{step}" / "finetune.yaml").is_file()  # resumable, with its config
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)  # no process of the run is left
+
+
+def test_logging_backends(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "train", "quickstart", f"output_dir={tmp_path / 'run'}", *SHORT,
+         "train.report_to=[tensorboard, mlflow]"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))  # TensorBoard logs live in the run folder
+    assert list((tmp_path / "mlruns").rglob("*loss*"))
+
+
+def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n{"oops"\n')
+    result = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert f"{data} line 1: no assistant turn to learn from" in result.stderr
+    assert f"{data} line 2: not valid JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
