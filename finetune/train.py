@@ -37,8 +37,8 @@ def run(recipe_path: str, overrides: list[str], callbacks: tuple = ()) -> str:
     state.wait_for_everyone()  # every process checked before the main one creates the folder
 
     precision = training_precision(recipe.train)
-    tokenizer = load_tokenizer(recipe)
-    with state.main_process_first():
+    with state.main_process_first():  # the main process builds builtins and prepares data; the others then read
+        tokenizer = load_tokenizer(recipe)
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     if state.is_main_process:
         print(describe_data(data.report), flush=True)

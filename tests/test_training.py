@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.builtin import resolve_dataset
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.integration
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.integration
 SHORT = [
     "method=lora", "train.max_steps=6", "train.logging_steps=1", "train.eval_on_start=false",
     "train.eval_strategy=no", "data.eval_fraction=0", "train.save_strategy=no", "train.learning_rate=1e-3",
+    "train.warmup_steps=0",
 ]
 
 
@@ -38,16 +40,22 @@ def adapter(run: Path) -> dict:
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    one = run_cli("train", "quickstart", f"output_dir={tmp_path / 'one'}", "train.per_device_train_batch_size=4",
-                  *SHORT)
-    assert one.returncode == 0, one.stderr[-3000:]
+    # Data never prepared before, so we can see who prepares it: once, for both processes.
+    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
+    data = tmp_path / "greetings.jsonl"
+    data.write_text("\n".join(rows[:2000]) + "\n")
     two = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *SHORT],
+         f"data.train={data}", f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *SHORT],
         capture_output=True, text=True, timeout=600,
     )
     assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("Prepared the data") == 1
+    one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={tmp_path / 'one'}",
+                  "train.per_device_train_batch_size=4", *SHORT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "Prepared the data" not in one.stdout  # same data, tokenizer and settings: from the cache
 
     single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(single) == len(ddp) == 6

@@ -1,0 +1,31 @@
+"""The benchmark script runs end to end (at a tiny size: its figures are for the closing note, not for asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, asset
+
+pytestmark = pytest.mark.integration
+
+
+def test_throughput_script_runs_all_ways(tmp_path):
+    asset("tokenizers/llama-3.2-instruct")
+    asset("datasets/gsm8k/train.jsonl")
+    out = tmp_path / "results.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--size", "tiny", "--steps", "1", "--rows", "64",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["way"] for r in results] == ["plain TRL defaults", "TRL packing", "finetune defaults",
+                                           "finetune, method=full"]
+    assert all(r["real_tokens"] > 0 and 0 < r["real_fraction"] <= 1 for r in results)
+    assert results[1]["real_fraction"] == 1.0  # padding-free batches have no padding at all
+    assert "vs plain TRL" in result.stdout
