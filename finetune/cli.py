@@ -36,31 +36,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
-    train = commands.add_parser(
-        "train",
-        help="train a recipe on this machine, or on several processes with --accelerate-config",
-        description="Train a recipe. Writes the run folder (output_dir): finetune.yaml, progress.jsonl, "
-        "train.log, checkpoint-N/ and final/.",
+    def recipe_command(name: str, function, summary: str, description: str) -> argparse.ArgumentParser:
+        command = commands.add_parser(name, help=summary, description=description)
+        command.add_argument("recipe", help=RECIPE_HELP)
+        command.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+        command.set_defaults(command=function)
+        return command
+
+    train = recipe_command(
+        "train", train_command,
+        "train a recipe on this machine, or on several processes with --accelerate-config",
+        "Train a recipe. Writes the run folder (output_dir): finetune.yaml, progress.jsonl, train.log, "
+        "checkpoint-N/ and final/.",
     )
-    train.add_argument("recipe", help=RECIPE_HELP)
-    train.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     train.add_argument(
         "--accelerate-config",
         metavar="NAME",
         help="launch with `accelerate launch --config_file` on this config (a file, or a shipped name such as "
         "ddp_8gpu); the recipe and data are checked once before any process starts",
     )
-    train.set_defaults(command=train_command)
-
-    validate = commands.add_parser(
-        "validate",
-        help="check a recipe and its data without training",
-        description="Check a recipe and its data, print the resolved configuration and a data report "
-        "(rows, token lengths, truncation, tokens that carry loss, one rendered example).",
+    recipe_command(
+        "validate", validate_command,
+        "check a recipe and its data without training",
+        "Check a recipe and its data, print the resolved configuration and a data report (rows, token lengths, "
+        "truncation, tokens that carry loss, one rendered example).",
     )
-    validate.add_argument("recipe", help=RECIPE_HELP)
-    validate.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-    validate.set_defaults(command=validate_command)
     return parser
 
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import functools
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ import yaml
 
 from finetune.errors import UserError
 from finetune.resources import find_recipe
+from finetune.typecheck import coerce
 
 Method = Literal["lora", "qlora", "full"]
 
@@ -103,6 +102,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
     "ddp_find_unused_parameters": False,
     "save_total_limit": 3,
+    "seed": 42,  # SFTConfig's own default, stated because the eval split and the data cache use it too
 }
 LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 
@@ -220,7 +220,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
             if not isinstance(values["train"], dict):
                 raise UserError(f"{origin('train')}: train is a section of SFTConfig fields, not {values['train']!r}")
         else:
-            values[f.name] = _coerce(raw[f.name], _hints(Recipe)[f.name], f.name, origin(f.name))
+            values[f.name] = coerce(raw[f.name], _hints(Recipe)[f.name], f.name, origin(f.name))
     recipe = Recipe(**values)
     _check_required(recipe, where)
     _check_contradictions(recipe, raw, origin)
@@ -231,7 +231,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
 def _build_section(section: dict, cls: type, prefix: str, origin) -> Any:
     _reject_unknown(section, cls, prefix + ".", origin)
     hints = _hints(cls)
-    return cls(**{k: _coerce(v, hints[k], f"{prefix}.{k}", origin(f"{prefix}.{k}")) for k, v in section.items()})
+    return cls(**{k: coerce(v, hints[k], f"{prefix}.{k}", origin(f"{prefix}.{k}")) for k, v in section.items()})
 
 
 def _reject_unknown(section: dict, cls: type, prefix: str, origin) -> None:
@@ -276,98 +276,6 @@ def _sft_fields() -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(SFTConfig) if f.init}
 
 
-def _coerce(value: Any, annotation: Any, key: str, where: str) -> Any:
-    """Return `value` as the annotated type, or raise UserError saying what is allowed."""
-    try:
-        return _convert(value, annotation)
-    except _Mismatch as mismatch:
-        raise UserError(f"{where}: {key} {mismatch}, got {value!r}") from None
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _convert(value: Any, annotation: Any) -> Any:
-    if annotation is Any:
-        return value
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
-        if enums:  # `SchedulerType | str`: the string must name a member anyway
-            return _convert(value, enums[0])
-        # Try the strictest member first so "3" stays a string for `str | int` and becomes 3 for `int | None`.
-        errors = []
-        for member in sorted((a for a in args if a is not type(None)), key=_strictness):
-            try:
-                return _convert(value, member)
-            except _Mismatch as mismatch:
-                errors.append(str(mismatch).removeprefix("must be "))
-        raise _Mismatch("must be " + " or ".join(dict.fromkeys(errors)))
-    if origin is Literal:
-        if value in args:
-            return value
-        raise _Mismatch("must be one of " + ", ".join(map(str, args)))
-    if origin in (list, tuple):
-        items = value if isinstance(value, list) else None
-        if items is None:
-            raise _Mismatch("must be a list")
-        return [_convert(item, args[0]) for item in items] if args else items
-    if origin is dict or annotation is dict:
-        if isinstance(value, dict):
-            return value
-        raise _Mismatch("must be a mapping of keys to values")
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise _Mismatch("must be true or false")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise _Mismatch("must be a whole number")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads 1e-4 as a string; Python does not
-            except ValueError:
-                pass
-        raise _Mismatch("must be a number")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise _Mismatch("must be a string")
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        allowed = [member.value for member in annotation]
-        if value is False and "no" in allowed:
-            return "no"  # YAML reads a bare `no` as false
-        if value in allowed:
-            return value
-        raise _Mismatch("must be one of " + ", ".join(map(str, allowed)))
-    return value  # types we do not check here (e.g. accelerate's ParallelismConfig); SFTConfig checks them
-
-
-def _strictness(annotation: Any) -> int:
-    order = [bool, int, float]
-    if annotation in order:
-        return order.index(annotation)
-    return 5 if annotation is str else 3
-
-
 def _check_required(recipe: Recipe, where: str) -> None:
     if not recipe.model.name_or_path:
         raise UserError(f"{where}: model.name_or_path is required (a Hub id, a local folder or builtin:tiny-llama)")
@@ -410,7 +318,7 @@ def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
             raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
         if key not in fields:
             raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig){_suggest('train.' + key)}")
-        train[key] = _coerce(value, fields[key], f"train.{key}", where)
+        train[key] = coerce(value, fields[key], f"train.{key}", where)
     _check_report_to(train.get("report_to"), origin("train.report_to"))
     if train.get("max_length") is None or train["max_length"] <= 0:
         raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")

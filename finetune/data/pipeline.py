@@ -46,7 +46,7 @@ def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
         "data": dataclasses.asdict(data),
         "max_length": recipe.train["max_length"],
         "packing": recipe.train["packing"],
-        "seed": recipe.train.get("seed", 42),
+        "seed": recipe.train["seed"],
     }
     key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
     folder = builtin.home() / "data" / key
@@ -94,26 +94,15 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     train_examples = _examples(train_sources, data, bad)
     if eval_sources:
         eval_examples = _examples(eval_sources, data, bad)
-    elif data.eval_fraction:
-        order = list(range(len(train_examples)))
-        random.Random(recipe.train.get("seed", 42)).shuffle(order)
-        held_out = set(order[: max(1, round(len(order) * data.eval_fraction))])
-        eval_examples = [e for i, e in enumerate(train_examples) if i in held_out]
-        train_examples = [e for i, e in enumerate(train_examples) if i not in held_out]
     else:
-        eval_examples = []
+        train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
 
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on)
     max_length = recipe.train["max_length"]
     train_rows, train_stats = _encode(train_examples, renderer, max_length, bad)
     eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad)
     if bad and data.bad_rows == "fail":
-        shown = "\n".join(f"  {line}" for line in bad[:SHOWN_BAD_ROWS])
-        more = f"\n  ... and {len(bad) - SHOWN_BAD_ROWS} more" if len(bad) > SHOWN_BAD_ROWS else ""
-        raise UserError(
-            f"{len(bad)} bad data row{'s' if len(bad) != 1 else ''}:\n{shown}{more}\n"
-            "Fix them, or set data.bad_rows=drop to skip them (the count is reported)."
-        )
+        raise _bad_rows_error(bad)
     if not train_rows:
         raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
 
@@ -142,6 +131,26 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
         staging.rename(folder)
     except OSError:  # another process finished the same preparation first
         shutil.rmtree(staging)
+
+
+def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a random `fraction` of the examples, at least one, held out for evaluation."""
+    if not fraction:
+        return examples, []
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held_out = set(order[: max(1, round(len(order) * fraction))])
+    return ([e for i, e in enumerate(examples) if i not in held_out],
+            [e for i, e in enumerate(examples) if i in held_out])
+
+
+def _bad_rows_error(bad: list[str]) -> UserError:
+    shown = "\n".join(f"  {line}" for line in bad[:SHOWN_BAD_ROWS])
+    more = f"\n  ... and {len(bad) - SHOWN_BAD_ROWS} more" if len(bad) > SHOWN_BAD_ROWS else ""
+    return UserError(
+        f"{len(bad)} bad data row{'s' if len(bad) != 1 else ''}:\n{shown}{more}\n"
+        "Fix them, or set data.bad_rows=drop to skip them (the count is reported)."
+    )
 
 
 def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
