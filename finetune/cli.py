@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under DDP every process fails alike: say it once
             print(f"error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: the run folder says where it stopped
+        print("stopped at once, without a checkpoint for this step", file=sys.stderr, flush=True)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

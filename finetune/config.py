@@ -324,6 +324,12 @@ def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
         raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
     if train.get("bf16") and train.get("fp16"):
         raise UserError(f"{origin('train.fp16')}: train.bf16 and train.fp16 both ask for mixed precision; keep one")
+    has_eval = recipe.data.eval or recipe.data.eval_fraction
+    for key in ("eval_strategy", "eval_on_start", "load_best_model_at_end"):
+        if train.get(key) not in (None, False, "no") and not has_eval:
+            raise UserError(
+                f"{origin('train.' + key)}: train.{key} needs eval data; set data.eval or data.eval_fraction"
+            )
     try:
         from trl import SFTConfig
 

@@ -95,6 +95,8 @@ def test_contradictions_are_explained(tmp_path):
     message = error_of(tmp_path, MINIMAL + "data: {train: a.jsonl, eval: b.jsonl, eval_fraction: 0.1}\n")
     assert "data.eval and data.eval_fraction" in message
     assert "train.bf16 and train.fp16" in error_of(tmp_path, MINIMAL, "train.bf16=true", "train.fp16=true")
+    assert "train.eval_strategy needs eval data" in error_of(tmp_path, MINIMAL, "train.eval_strategy=steps")
+    assert load_recipe(write_recipe(tmp_path, MINIMAL), ["train.eval_strategy=steps", "data.eval_fraction=0.1"])
 
 
 def test_keys_owned_elsewhere_point_to_their_home(tmp_path):

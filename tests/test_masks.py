@@ -114,6 +114,24 @@ def test_template_date_is_fixed(llama_tokenizer):
     assert "Today Date: 26 Jul 2024" in renderer.render_text(normalize(ROWS["alpaca"], "alpaca", {}, None))
 
 
+def test_chat_template_from_a_file(tmp_path):
+    from finetune.config import load_recipe
+    from finetune.errors import UserError
+    from finetune.model import load_tokenizer
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text("model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\n")
+    tokenizer = load_tokenizer(load_recipe(recipe_file, [f"model.chat_template={template}"]))
+    assert spans(tokenizer, ROWS["alpaca"], "alpaca") == ["5<|im_end|>"]
+    assert Renderer(tokenizer, tokenizer.chat_template, "2024-07-26").render_text(
+        normalize(ROWS["alpaca"], "alpaca", {}, None)) == "[user] Add.\n\n2 and 3<|im_end|>\n[assistant] 5<|im_end|>\n"
+    with pytest.raises(UserError, match="model.chat_template: .*missing.jinja does not exist"):
+        load_tokenizer(load_recipe(recipe_file, [f"model.chat_template={tmp_path / 'missing.jinja'}"]))
+
+
 def test_template_without_stable_prefixes_is_a_bad_row(gptoss_tokenizer):
     """GPT-OSS's official template drops earlier turns' reasoning: without markers no exact mask exists."""
     with pytest.raises(BadRow, match="renders the conversation through this turn differently"):

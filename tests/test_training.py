@@ -101,6 +101,27 @@ def test_stop_request_saves_a_checkpoint_and_leaves_no_process(tmp_path):
         os.killpg(process.pid, 0)  # no process of the run is left
 
 
+def test_second_ctrl_c_stops_at_once_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "train", "quickstart", f"output_dir={run}", "train.max_steps=100000",
+         "train.logging_steps=1", "train.eval_on_start=false", "train.eval_strategy=no",
+         "train.per_device_train_batch_size=64"],  # slow steps: both signals land in the same one
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (run / "progress.jsonl").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 130
+    assert "stopped at once, without a checkpoint for this step" in stderr and "Traceback" not in stderr
+    assert progress(run)[-1]["status"] == "failed" and progress(run)[-1]["error"] == "interrupted"
+
+
 def test_logging_backends(tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("mlflow")
