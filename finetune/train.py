@@ -33,6 +33,13 @@ def run(recipe_path: str, overrides: list[str], callbacks: tuple = ()) -> str:
     recipe = load_recipe(recipe_path, overrides)
     transformers.utils.logging.disable_progress_bar()  # weight loading and saving bars; the training bar stays
     state = PartialState()
+    try:
+        return _train(recipe, state, callbacks)
+    finally:
+        state.destroy_process_group()  # gloo and NCCL threads still alive at exit abort the process
+
+
+def _train(recipe, state, callbacks) -> str:
     check_free(recipe.output_dir)
     state.wait_for_everyone()  # every process checked before the main one creates the folder
 
