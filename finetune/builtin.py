@@ -108,17 +108,19 @@ def make_tiny_llama_config(tokenizer, **overrides):
 
 
 def _write_tiny_llama(folder: Path) -> None:
+    import safetensors.torch
     import torch
     from transformers import LlamaForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(make_tiny_llama_config(tokenizer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder)
+    # Not model.save_pretrained: under a process group it writes only on global rank 0, and every machine of a
+    # multi-machine run builds its own copy.
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    safetensors.torch.save_model(model, str(folder / "model.safetensors"))
     tokenizer.save_pretrained(folder)
 
 

@@ -79,7 +79,10 @@ def validate_command(args) -> int:
 
 def train_command(args) -> int:
     if not args.accelerate_config:
-        from finetune.train import run
+        from finetune import backends
+
+        backends.import_first(args.recipe, args.overrides)
+        from finetune.run import run
 
         run(args.recipe, args.overrides)
         return 0
@@ -102,13 +105,15 @@ def train_command(args) -> int:
 
 
 def _check(recipe_path: str, overrides: list[str]):
-    """Everything `train` checks before loading weights: recipe, output_dir, tokenizer, data."""
+    """Everything `train` checks before loading weights: recipe, backend, output_dir, tokenizer, data."""
+    from finetune import backends
     from finetune.config import load_recipe
     from finetune.data.pipeline import prepare
     from finetune.model import load_tokenizer
     from finetune.run_folder import check_free
 
     recipe = load_recipe(recipe_path, overrides)
+    print(backends.resolve(recipe.model.backend)[1], flush=True)
     check_free(recipe.output_dir)
     tokenizer = load_tokenizer(recipe)
     return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report

@@ -59,6 +59,10 @@ class LoraConfig:
     target_modules: str | list[str] = field(
         default="all-linear", metadata={"help": "Module names to adapt, or all-linear."}
     )
+    target_parameters: list[str] | None = field(
+        default=None,
+        metadata={"help": "Parameters (not modules) to adapt, e.g. MoE experts: 7.mlp.experts.gate_up_proj."},
+    )
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. embed_tokens)."}
     )
@@ -83,6 +87,17 @@ class DataConfig:
     )
     loss_on: Literal["assistant", "all"] = field(
         default="assistant", metadata={"help": "Train on assistant turns only, or on every token."}
+    )
+    train_thinking: bool = field(
+        default=True, metadata={"help": "Whether the reasoning of assistant turns (thinking) carries loss."}
+    )
+    thinking_marker: str | None = field(
+        default=None,
+        metadata={"help": "Split answers without thinking at the last occurrence of this text: what comes before "
+                          "is the reasoning, what follows the answer (GSM8K: '####')."},
+    )
+    template_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Variables for the chat template, e.g. {reasoning_effort: high}."}
     )
     bad_rows: Literal["fail", "drop"] = field(
         default="fail", metadata={"help": "fail: stop and list them; drop: skip them and report the count."}
@@ -182,6 +197,8 @@ def _parse_override(override: str) -> tuple[str, Any]:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError:
         value = text
+    if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+        value = text  # YAML reads `####` as a comment; on the command line it is the text
     return key, value
 
 

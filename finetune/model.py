@@ -1,8 +1,9 @@
 """Load the tokenizer and the model a recipe names, ready for TRL's SFTTrainer.
 
-The `hf` backend: transformers + PEFT, with bitsandbytes NF4 for qlora. Each process puts its model on its own
-device (never device_map="auto" under DDP). The chat template used for training is set on the tokenizer, so it is
-saved with every checkpoint and used again at chat time.
+`hf`: transformers + PEFT, bitsandbytes NF4 for qlora, MXFP4 checkpoints (GPT-OSS) dequantized to bf16.
+`unsloth`: Unsloth's FastLanguageModel, its LoRA and its gradient checkpointing.
+The chat template used for training is set on the tokenizer, so it is saved with every checkpoint and used again
+at chat time.
 """
 
 from __future__ import annotations
@@ -49,20 +50,52 @@ def weights_dtype(recipe, precision: dict):
     return torch.bfloat16 if precision.get("bf16") else torch.float16 if precision.get("fp16") else torch.float32
 
 
-def load_model(recipe, precision: dict):
-    """(model, peft LoraConfig or None); PEFT wraps the model inside the trainer."""
-    from accelerate import PartialState
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bool):
+    """(model, peft LoraConfig or None). With hf, PEFT wraps the model inside the trainer; Unsloth wraps it here."""
+    if backend == "unsloth":
+        return _load_unsloth(recipe, precision, gradient_checkpointing), None
+    return _load_hf(recipe, precision), lora_config(recipe)
 
+
+def _placement():
+    """Each DDP process holds a whole model on its own device (never "auto" or "balanced", which split one model
+    over the GPUs that DDP gives the other processes); under FSDP or DeepSpeed the weights load on the CPU and the
+    engine shards them."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return None
+    return {"": state.device}
+
+
+def _load_hf(recipe, precision: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Mxfp4Config
+
+    source = builtin.resolve_model(recipe.model.name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(
+            source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as error:
+        raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(error)}") from None
     dtype = weights_dtype(recipe, precision)
     kwargs = {
         "dtype": dtype,
         "revision": recipe.model.revision,
         "trust_remote_code": recipe.model.trust_remote_code,
-        "device_map": {"": PartialState().device},
+        "device_map": _placement(),
+        "attn_implementation": recipe.model.attn_implementation or default_attention(config),
     }
-    if recipe.model.attn_implementation:
-        kwargs["attn_implementation"] = recipe.model.attn_implementation
+    mxfp4 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "mxfp4"
+    if mxfp4 and recipe.method == "qlora":
+        raise UserError(
+            f"method qlora: {source} is an MXFP4 checkpoint, which bitsandbytes cannot requantize (its experts are "
+            "not Linear layers); use method=lora (bf16), or model.backend=unsloth with Unsloth's 4-bit checkpoint"
+        )
+    if mxfp4:
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # MXFP4 weights have no gradients: train in bf16
     if recipe.method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -70,12 +103,48 @@ def load_model(recipe, precision: dict):
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
         )
-    source = builtin.resolve_model(recipe.model.name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as error:
         raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(error)}") from None
-    return model, lora_config(recipe)
+
+
+def default_attention(config) -> str | None:
+    """GPT-OSS's attention sinks need eager attention unless a kernel that knows them is chosen; others: the default."""
+    return "eager" if config.model_type == "gpt_oss" else None
+
+
+def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
+    from unsloth import FastLanguageModel
+
+    lora = recipe.lora
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=builtin.resolve_model(recipe.model.name_or_path),
+        max_seq_length=recipe.train["max_length"],
+        dtype=weights_dtype(recipe, precision) if recipe.model.dtype != "auto" else None,
+        load_in_4bit=recipe.method == "qlora",
+        load_in_16bit=recipe.method == "lora",
+        full_finetuning=recipe.method == "full",
+        device_map=_placement(),
+        revision=recipe.model.revision,
+        trust_remote_code=recipe.model.trust_remote_code,
+        use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
+        random_state=recipe.train["seed"],
+    )
+    if recipe.method == "full":
+        return model
+    return FastLanguageModel.get_peft_model(
+        model,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        target_parameters=lora.target_parameters,
+        modules_to_save=lora.modules_to_save,
+        use_rslora=lora.use_rslora,
+        use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
+        random_state=recipe.train["seed"],
+    )
 
 
 def lora_config(recipe):
@@ -89,6 +158,7 @@ def lora_config(recipe):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        target_parameters=lora.target_parameters,
         modules_to_save=lora.modules_to_save,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,

@@ -30,7 +30,7 @@ def _find(name_or_path: str | Path, folder: Path, what: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = folder / f"{path.name}.yaml" if path.suffix == "" else folder / path.name
+    shipped = folder / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
     if len(path.parts) == 1 and shipped.is_file():
         return shipped
     names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))

@@ -82,3 +82,23 @@ def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
     if current:
         spans.append(current)
     return [tokenizer.decode(span, clean_up_tokenization_spaces=False) for span in spans]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Random-init, scaled-down Llama 3.2 and GPT-OSS (24 layers, so layer-indexed settings apply unchanged), saved
+    with the real tokenizers as ordinary Hugging Face folders."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
+
+    folders = {}
+    for name, config, tokenizer in (("llama", tiny_llama_3_2(), "tokenizers/llama-3.2-instruct"),
+                                    ("gpt-oss", tiny_gpt_oss(num_hidden_layers=24), "tokenizers/gpt-oss")):
+        folder = tmp_path_factory.mktemp(f"tiny-{name}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(asset(tokenizer)).save_pretrained(folder)
+        folders[name] = folder
+    return folders

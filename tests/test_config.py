@@ -47,6 +47,7 @@ def test_shipped_accelerate_configs_say_what_they_promise():
 
 def test_shipped_recipe_found_by_name():
     assert find_recipe("quickstart") == recipes_dir() / "quickstart.yaml"
+    assert find_recipe("llama-3.2-3b-lora") == recipes_dir() / "llama-3.2-3b-lora.yaml"  # dots in the name
     with pytest.raises(UserError, match="no shipped recipe of that name.*quickstart"):
         find_recipe("quickstrat")
 
@@ -57,6 +58,8 @@ def test_defaults_and_overrides(tmp_path):
     assert recipe.train["learning_rate"] == 1e-4  # YAML reads 1e-4 as text; the field says float
     assert recipe.lora.r == 8 and recipe.method == "qlora"
     assert recipe.train["save_strategy"] == "no"  # YAML reads a bare no as false
+    assert load_recipe(path, ["data.thinking_marker=####"]).data.thinking_marker == "####"  # not a YAML comment
+    assert load_recipe(path, ["data.system_prompt=null"]).data.system_prompt is None
     assert recipe.train["packing"] is True and recipe.data.loss_on == "assistant"
     assert recipe.output_dir == "runs/recipe"
     assert load_recipe(path).train["learning_rate"] == 2e-4  # LoRA's default, not SFTConfig's 2e-5

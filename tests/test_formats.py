@@ -88,6 +88,14 @@ def test_text_and_system_prompt():
     assert example["messages"][0] == {"role": "system", "content": "Be kind."}
 
 
+def test_thinking_marker_splits_answers():
+    row = {"question": "2+2?", "answer": "Two and two make four.\n#### 4"}
+    example = normalize(row, "alpaca", {"instruction": "question", "output": "answer"}, None, thinking_marker="####")
+    assert example["messages"][-1] == {"role": "assistant", "content": "4", "thinking": "Two and two make four."}
+    unmarked = normalize({"instruction": "Hi", "output": "Hello"}, "alpaca", {}, None, thinking_marker="####")
+    assert unmarked["messages"][-1] == {"role": "assistant", "content": "Hello"}
+
+
 def test_unknown_format_is_none():
     assert detect_format({"question": "q", "answer": "a"}, {}) is None
 

@@ -138,6 +138,57 @@ def test_template_without_stable_prefixes_is_a_bad_row(gptoss_tokenizer):
         spans(gptoss_tokenizer, MULTI_TURN, "messages", template=gptoss_tokenizer.chat_template)
 
 
+THINKING = {"messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "thinking": "Two and two."},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6", "thinking": "Three and three."},
+]}
+
+
+@pytest.mark.parametrize("train_thinking", [True, False])
+def test_harmony_multi_turn_with_thinking(gptoss_tokenizer, train_thinking):
+    """GPT-OSS keeps only the last turn's reasoning (analysis channel); earlier turns end in <|end|>, the last in
+    <|return|>. Without train_thinking the last turn is trained exactly as if it had no reasoning."""
+    renderer = Renderer(gptoss_tokenizer, training_template(gptoss_tokenizer, gptoss_tokenizer.chat_template),
+                        "2024-07-26", train_thinking=train_thinking, template_kwargs={"reasoning_effort": "high"})
+    example = normalize(THINKING, "messages", {}, None)
+    ids, labels = renderer.encode(example)
+    last = "<|channel|>final<|message|>6<|return|>"
+    if train_thinking:
+        last = "<|channel|>analysis<|message|>Three and three.<|end|><|start|>assistant" + last
+    assert trained_spans(gptoss_tokenizer, ids, labels) == ["<|channel|>final<|message|>4<|end|>", last]
+    text = renderer.render_text(example)
+    assert "Reasoning: high" in text and "Two and two." not in text  # earlier reasoning is dropped by the template
+
+
+@pytest.mark.parametrize("train_thinking", [True, False])
+def test_thinking_in_other_templates(builtin_tokenizer, train_thinking):
+    renderer = Renderer(builtin_tokenizer, builtin_tokenizer.chat_template, "2024-07-26", train_thinking=train_thinking)
+    ids, labels = renderer.encode(normalize(THINKING, "messages", {}, None))
+    think = "<think>{}</think>\n" if train_thinking else ""
+    assert trained_spans(builtin_tokenizer, ids, labels) == [
+        think.format("Two and two.") + "4<|im_end|>", think.format("Three and three.") + "6<|im_end|>"]
+
+
+def test_gsm8k_rationale_as_harmony_analysis(gptoss_tokenizer):
+    """GSM8K answers are 'rationale #### number': the rationale becomes the analysis channel, the number the answer."""
+    renderer = Renderer(gptoss_tokenizer, training_template(gptoss_tokenizer, gptoss_tokenizer.chat_template),
+                        "2024-07-26")
+    columns = {"instruction": "question", "output": "answer"}
+    checked = 0
+    for _, row in sources.resolve(str(asset("datasets/gsm8k/train.jsonl")), "data.train").rows():
+        rationale, number = (part.strip() for part in row["answer"].rsplit("####", 1))
+        ids, labels = renderer.encode(normalize(row, "alpaca", columns, None, thinking_marker="####"))
+        assert trained_spans(gptoss_tokenizer, ids, labels) == [
+            f"<|channel|>analysis<|message|>{rationale}<|end|>"
+            f"<|start|>assistant<|channel|>final<|message|>{number}<|return|>"]
+        checked += 1
+        if checked == 200:
+            break
+
+
 DATASETS = {
     "gsm8k/train.jsonl": {"instruction": "question", "output": "answer"},
     "self-instruct/user_oriented_instructions.jsonl": {"input": "instances.0.input", "output": "instances.0.output"},

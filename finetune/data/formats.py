@@ -53,7 +53,8 @@ def detect_format(row: dict[str, Any], columns: dict[str, str]) -> str | None:
     return None
 
 
-def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_prompt: str | None) -> dict[str, Any]:
+def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_prompt: str | None,
+              thinking_marker: str | None = None) -> dict[str, Any]:
     def field(name: str, required: bool = True) -> Any:
         value = _lookup(row, columns.get(name, name))
         if value is None and required:
@@ -94,9 +95,19 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
 
     if system_prompt and example["messages"][0]["role"] not in ("system", "developer"):
         example["messages"].insert(0, {"role": "system", "content": system_prompt})
+    if thinking_marker:
+        example["messages"] = [_split_thinking(m, thinking_marker) for m in example["messages"]]
     if not any(m["role"] == "assistant" and m.get("train", True) for m in example["messages"]):
         raise BadRow("no assistant turn to learn from")
     return example
+
+
+def _split_thinking(message: dict[str, Any], marker: str) -> dict[str, Any]:
+    """An answer written as 'reasoning MARKER answer' becomes thinking and content (GSM8K: '... #### 72')."""
+    if message["role"] != "assistant" or "thinking" in message or marker not in message["content"]:
+        return message
+    thinking, _, answer = message["content"].rpartition(marker)
+    return {**message, "thinking": thinking.strip(), "content": answer.strip()}
 
 
 def _lookup(row: dict[str, Any], path: str) -> Any:

@@ -97,7 +97,8 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     else:
         train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
 
-    renderer = Renderer(tokenizer, template, data.template_date, data.loss_on)
+    renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
+                        data.template_kwargs)
     max_length = recipe.train["max_length"]
     train_rows, train_stats = _encode(train_examples, renderer, max_length, bad)
     eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad)
@@ -172,7 +173,8 @@ def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
                         f"set data.format ({', '.join(formats.FORMATS)}) and data.columns to map your fields"
                     )
             try:
-                examples.append((where, formats.normalize(row, fmt, data.columns, data.system_prompt)))
+                example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
+                examples.append((where, example))
             except BadRow as reason:
                 bad.append(f"{where}: {reason}")
     return examples

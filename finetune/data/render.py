@@ -9,7 +9,11 @@ template, for one), or where the template's `{% generation %}` block ends, for t
 Every prefix is checked against the full rendering; a conversation the template renders inconsistently is a bad row,
 never a silently wrong mask.
 
-Templates see a fixed date (`strftime_now`), so renders, masks and the cache do not change with the clock.
+With `train_thinking` off, a turn's reasoning (`thinking`, e.g. GPT-OSS's analysis channel) is context, not target:
+the part of the turn that is absent when the turn is rendered without its reasoning carries no loss.
+
+Templates see a fixed date (`strftime_now`), so renders, masks and the cache do not change with the clock; other
+template variables (GPT-OSS's `reasoning_effort`) come from `template_kwargs`.
 """
 
 from __future__ import annotations
@@ -39,16 +43,18 @@ def training_template(tokenizer, template: str) -> str:
 
 
 class Renderer:
-    def __init__(self, tokenizer, template: str | None, template_date: str, loss_on: str = "assistant"):
+    def __init__(self, tokenizer, template: str | None, template_date: str, loss_on: str = "assistant",
+                 train_thinking: bool = True, template_kwargs: dict | None = None):
         from trl.chat_template_utils import has_generation_markers
 
         self.tokenizer = tokenizer
         self.template = template
         self.has_markers = template is not None and has_generation_markers(template)
         self.loss_on = loss_on
+        self.train_thinking = train_thinking
         self._special_ids = set(tokenizer.get_added_vocab().values())
         fixed = date.fromisoformat(template_date)
-        self._template_kwargs = {"strftime_now": fixed.strftime}
+        self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
 
     def encode(self, example: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Token ids and labels (the id where the token carries loss, else -100)."""
@@ -98,10 +104,22 @@ class Renderer:
             else:
                 end = self._prefix_length(ids, messages[: index + 1], tools, index)
             end = self._through_end_of_turn(ids, start, end)
+            if message.get("thinking") and not self.train_thinking:
+                start = self._after_thinking(ids, messages, tools, index, start)
             labels[start:end] = ids[start:end]
         if all(label == IGNORE for label in labels):
             raise BadRow("no assistant tokens after rendering")
         return ids, labels
+
+    def _after_thinking(self, ids: list[int], messages: list[dict], tools: list | None, index: int, start: int) -> int:
+        """Where the turn's reasoning ends: from there on, the rendering without the reasoning agrees with the full
+        one. The turn then carries loss exactly as it would have without reasoning. (Templates that drop the
+        reasoning of this turn render it identically, and nothing is masked.)"""
+        plain = dict(messages[index])
+        del plain["thinking"]
+        without = list(self._tokens([*messages[:index], plain, *messages[index + 1:]], tools)["input_ids"])
+        shared = min(_common_prefix(ids[::-1], without[::-1]), len(without) - start)
+        return max(start, len(ids) - shared)
 
     def _through_end_of_turn(self, ids: list[int], start: int, end: int) -> int:
         """Drop template glue after the turn's end token (ChatML's newline after <|im_end|>): never generated."""

@@ -1,0 +1,64 @@
+"""The architectures the shipped recipes train, as configs, and scaled-down versions that keep their features.
+
+The full-size configs are those of meta-llama/Llama-3.2-3B-Instruct and openai/gpt-oss-20b (../shared/DESIGN.md,
+section 4); tests check them against the published parameter counts on the meta device. The tiny versions keep
+what the code paths depend on (Llama 3 rope scaling, tied embeddings; GPT-OSS experts, router, attention sinks,
+alternating sliding-window layers, biases, yarn rope) so CPU tests exercise the same code as the real models.
+"""
+
+from __future__ import annotations
+
+LLAMA_3_2_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def llama_3_2_3b(**changes):
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters=LLAMA_3_2_ROPE, bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    )
+    return LlamaConfig(**{**settings, **changes})
+
+
+def gpt_oss_20b(**changes):
+    from transformers import GptOssConfig
+
+    layers = changes.pop("num_hidden_layers", 24)
+    settings = dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+        swiglu_limit=7.0, rope_parameters=GPT_OSS_ROPE, router_aux_loss_coef=0.9, output_router_logits=False,
+        eos_token_id=200002, pad_token_id=199999,
+    )
+    return GptOssConfig(**{**settings, **changes})
+
+
+def tiny_llama_3_2(**changes):
+    """Llama 3.2 with its vocabulary, rope scaling and tied embeddings, at hidden 64 and 2 layers."""
+    return llama_3_2_3b(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16), **changes})
+
+
+def tiny_gpt_oss(**changes):
+    """GPT-OSS with its vocabulary, 4 experts (2 active), sinks and a sliding and a full layer, at hidden 64."""
+    return gpt_oss_20b(**{**dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                 sliding_window=16), **changes})
+
+
+def parameter_count(config) -> int:
+    """Parameters of the model a config describes, counted on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

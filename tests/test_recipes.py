@@ -1,0 +1,66 @@
+"""The GPU recipes, scaled down: each trains with two-process DDP on the CPU on a random-init model of its own
+architecture (GPT-OSS: experts, router, sinks, sliding-window layers; Llama 3.2: rope scaling, tied embeddings)
+with the real tokenizer. What a CPU cannot do is changed and nothing else: the backend is hf (Unsloth needs a CUDA
+GPU), and batch, accumulation, length and steps are small enough to finish in seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, asset
+
+pytestmark = pytest.mark.integration
+
+SCALED_DOWN = ["model.backend=hf", "train.max_steps=2", "train.max_length=512", "train.per_device_train_batch_size=1",
+               "train.gradient_accumulation_steps=2", "data.max_rows=100", "train.save_strategy=no",
+               "train.logging_steps=1"]
+DATA = {
+    "llama": ["data.train={}".format(asset("datasets/sharegpt-fastchat/dummy_conversation.json"))],
+    "gpt-oss": ["data.train={}".format(asset("datasets/gsm8k/train.jsonl")),
+                "data.columns={instruction: question, output: answer}", "data.thinking_marker=####"],
+}
+
+
+def train(recipe: str, model, data: list[str], output_dir) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", recipe,
+         f"model.name_or_path={model}", f"output_dir={output_dir}", *data, *SCALED_DOWN],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in (output_dir / "progress.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe, architecture", [
+    ("llama-3.2-3b-unsloth-qlora", "llama"),
+    ("llama-3.2-3b-lora", "llama"),
+    ("gpt-oss-20b-unsloth-qlora", "gpt-oss"),
+])
+def test_recipe_trains_with_ddp(recipe, architecture, tiny_models, tmp_path):
+    rows = train(recipe, tiny_models[architecture], DATA[architecture], tmp_path / "run")
+    assert rows[-1]["status"] == "completed"
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_gpt_oss_recipe_trains_its_expert_adapters(tiny_models, tmp_path):
+    """LoRA on the attention projections and on the experts of layers 7, 15 and 23 (PEFT target_parameters): the
+    expert adapters are saved and moved away from their initialization, so they received gradients."""
+    from safetensors.torch import load_file
+
+    rows = train("gpt-oss-20b-lora", tiny_models["gpt-oss"], DATA["gpt-oss"], tmp_path / "run")
+    assert rows[-1]["status"] == "completed"
+    weights = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    experts = {name: tensor for name, tensor in weights.items() if ".experts." in name}
+    layers = {name.split(".layers.")[1].split(".")[0] for name in experts}
+    assert layers == {"7", "15", "23"}
+    trained_b = [tensor for name, tensor in experts.items() if "lora_B" in name]
+    assert len(trained_b) == 6 and all(tensor.abs().sum() > 0 for tensor in trained_b)  # B starts at zero
+    config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == sorted(
+        f"{layer}.mlp.experts.{name}" for layer in (7, 15, 23) for name in ("gate_up_proj", "down_proj"))
