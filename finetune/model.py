@@ -104,9 +104,37 @@ def _load_hf(recipe, precision: dict):
             bnb_4bit_compute_dtype=dtype,
         )
     try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as error:
         raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(error)}") from None
+    isolate_packed_examples(model)
+    return model
+
+
+def isolate_packed_examples(model) -> None:
+    """Keep packed examples from attending to each other in GPT-OSS.
+
+    transformers (5.17) builds the attention masks of most models from position_ids, so examples packed in one row
+    (positions restarting at 0) see only themselves; GptOssModel.forward leaves position_ids out of its mask
+    calls, and under eager or sdpa attention every example would attend to the ones before it. A hook on the
+    decoder builds the masks from position_ids and hands them in, as `generate` does with precomputed masks."""
+    if model.config.model_type != "gpt_oss":
+        return
+    import torch
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def with_masks(decoder, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
+            return None
+        shape_only = torch.empty(*positions.shape, 0, dtype=decoder.embed_tokens.weight.dtype, device=positions.device)
+        mask = dict(config=decoder.config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None,
+                    position_ids=positions)
+        kwargs["attention_mask"] = {"full_attention": create_causal_mask(**mask),
+                                    "sliding_attention": create_sliding_window_causal_mask(**mask)}
+        return args, kwargs
+
+    model.get_decoder().register_forward_pre_hook(with_masks, with_kwargs=True)
 
 
 def default_attention(config) -> str | None:
@@ -131,6 +159,7 @@ def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
         random_state=recipe.train["seed"],
     )
+    isolate_packed_examples(model)
     if recipe.method == "full":
         return model
     return FastLanguageModel.get_peft_model(
