@@ -73,4 +73,4 @@ def test_existing_output_dir_is_refused(tmp_path):
 def test_unknown_accelerate_config(tmp_path):
     result = run_cli("train", "quickstart", "--accelerate-config", "ddp_9gpu", f"output_dir={tmp_path / 'run'}")
     assert result.returncode == 2 and "accelerate config 'ddp_9gpu' not found" in result.stderr
-    assert "cpu_ddp_2proc, ddp_8gpu, single_gpu" in result.stderr
+    assert "cpu_ddp_2proc, ddp_8gpu, ddp_8xa10, ddp_8xh100, deepspeed_zero3_8gpu" in result.stderr
