@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, asset
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 FINETUNE = str(Path(sys.executable).parent / "finetune")  # the console script of this environment
@@ -40,6 +40,17 @@ def test_gpu_commands_name_shipped_configs():
     assert len(gpu) == 2
     assert all((REPO / "accelerate_configs" / "ddp_8gpu.yaml").is_file() for _ in gpu)
     assert "-m finetune.train" in gpu[1]
+
+
+def test_gpu_recipe_commands_name_shipped_recipes_and_configs():
+    recipe_commands = [shlex.split(c) for c in commands() if c.startswith("finetune train") and "--accelerate-config" in c
+                       and "quickstart" not in c and "my-recipe" not in c]
+    assert len(recipe_commands) == 4
+    for argv in recipe_commands:
+        assert (REPO / "configs" / f"{argv[2]}.yaml").is_file(), argv
+        assert (REPO / "accelerate_configs" / f"{argv[argv.index('--accelerate-config') + 1]}.yaml").is_file(), argv
+        recipe_header = (REPO / "configs" / f"{argv[2]}.yaml").read_text(encoding="utf-8")
+        assert " ".join(argv) in recipe_header, "the README and the recipe's header give the same launch command"
 
 
 @pytest.mark.integration
@@ -97,3 +108,18 @@ def test_cpu_ddp_command(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "ddp-try" / "progress.jsonl").read_text().splitlines()]
     assert rows[-1] == {**rows[-1], "status": "completed", "step": 20}
+
+
+@pytest.mark.integration
+def test_gpu_check_dry_run_command(tmp_path):
+    """On a CPU the GPU check runs at tiny sizes, measures the transformers ways and says why Unsloth is skipped."""
+    asset("tokenizers/llama-3.2-instruct")
+    command = next(c for c in commands() if "gpu_check.py" in c and "--tiny" in c)
+    result = run(command.replace("python ", f"{sys.executable} {REPO}/", 1), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((tmp_path / "gpu-check-dry-run" / "results.json").read_text())["runs"]
+    assert runs["llama-3.2-3b unsloth-qlora"] == {"skipped": "Unsloth needs a CUDA GPU"}
+    for way in ("hf-qlora", "hf-lora"):
+        assert runs[f"llama-3.2-3b {way}"]["tokens_per_second"] > 0
+        assert runs[f"llama-3.2-3b {way}"]["peak_memory_gb"] > 0
+    assert "llama-3.2-3b hf-qlora" in result.stdout and "tokens/s" in result.stdout
