@@ -55,7 +55,8 @@ def test_slurm_script_starts_one_launcher_per_node(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
-        "scontrol": 'printf "gpu-node-a\\ngpu-node-b\\n"\n',
+        # a long node list, as on a big cluster: more than a pipe holds, so a reader that stops early breaks it
+        "scontrol": 'printf "gpu-node-a\\ngpu-node-b\\n"; seq 100000 | sed s/^/gpu-node-/\n',
         "srun": 'for node in 0 1; do SLURM_NODEID=$node "$@"; done\n',
         "accelerate": f'echo "$SLURM_NODEID $*" >> {tmp_path / "launches.txt"}\n',
     }
