@@ -17,7 +17,8 @@ OVERRIDES_HELP = "settings over the recipe's, written key.sub=value (e.g. train.
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # overrides may come after options, e.g. --accelerate-config X k=v
-    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    takes_overrides = getattr(args, "overrides", None) is not None
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item or not takes_overrides]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -64,7 +65,115 @@ def build_parser() -> argparse.ArgumentParser:
         "Check a recipe and its data, print the resolved configuration and a data report (rows, token lengths, "
         "truncation, tokens that carry loss, one rendered example).",
     )
+    chat = commands.add_parser(
+        "chat", help="chat with a trained model (a run's final/, a checkpoint-N/ or an export)",
+        description="Chat with a trained model, with the chat template used in training. Interactive, with history "
+        "(/reset clears it, /exit or Ctrl-D quits), or one answer with --prompt.",
+    )
+    chat.add_argument("path", help="a run's final/ (or the run folder), a checkpoint-N/, or a `finetune export` folder")
+    chat.add_argument("--prompt", help="answer this one message, print only the answer, and exit")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--base-model", help="where the adapter's base model is, if not where the recipe says")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default: 0.7)")
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--seed", type=int, help="a seed for sampling, for answers that repeat")
+    chat.set_defaults(command=chat_command)
+
+    export = commands.add_parser(
+        "export", help="export an adapter or a merged model, checked, optionally pushed to the Hub",
+        description="Write the adapter (PEFT, safetensors) or, with --merge, the model with the adapter merged into "
+        "its 16-bit base, with the tokenizer, chat template, generation config and a model card. The export is "
+        "reloaded and its logits compared with the trained model's before it is kept.",
+    )
+    export.add_argument("path", help="a run's final/ (or the run folder), or a checkpoint-N/")
+    export.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    export.add_argument("--merge", action="store_true", help="merge the adapter into its base (16-bit, never 4-bit)")
+    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                        help="weights of a merged or fully fine-tuned model (default: bf16)")
+    export.add_argument("--base-model", help="where the adapter's base model is, if not where the recipe says")
+    export.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this Hub repository")
+    export.add_argument("--private", action="store_true", help="create the Hub repository private")
+    export.add_argument("--gguf", action="store_true", help="also write a GGUF of the merged model (llama.cpp)")
+    export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
+    export.set_defaults(command=export_command)
     return parser
+
+
+def chat_command(args) -> int:
+    from finetune.chat import Chat, Piece, Sampling
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")
+    _quiet_loading()
+    chat = Chat(args.path, args.base_model)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.prompt is not None:
+        for piece in chat.stream([*system, {"role": "user", "content": args.prompt}], sampling):
+            if isinstance(piece, Piece) and piece.kind == "answer":
+                print(piece.text, end="", flush=True)
+        print()
+        return 0
+    print(f"chatting with {chat.folder.path}; /reset clears the history, /exit or Ctrl-D quits", flush=True)
+    history: list[dict] = []
+    while True:
+        try:
+            text = input("\nyou> ")
+        except EOFError:
+            print()
+            return 0
+        if text.strip() in ("/exit", "/quit"):
+            return 0
+        if text.strip() == "/reset":
+            history = []
+            continue
+        history.append({"role": "user", "content": text})
+        shown = None
+        for piece in chat.stream([*system, *history], sampling):
+            if isinstance(piece, Piece):
+                if piece.kind != shown:
+                    print("\nreasoning> " if piece.kind == "thinking" else "\nassistant> ", end="")
+                    shown = piece.kind
+                print(_dim(piece.text) if piece.kind == "thinking" else piece.text, end="", flush=True)
+            else:
+                turn = {"role": "assistant", "content": piece.answer}
+                if piece.thinking:
+                    turn["thinking"] = piece.thinking
+                history.append(turn)
+                if piece.ended_by is None:
+                    print(f"\n[cut at --max-new-tokens {args.max_new_tokens}]", end="")
+        print(flush=True)
+
+
+def export_command(args) -> int:
+    from finetune.export import export
+
+    if args.private and not args.push_to_hub:
+        raise UserError("--private applies to --push-to-hub REPO, which is missing")
+    _quiet_loading()
+    result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
+                    push_to_hub=args.push_to_hub, private=args.private, gguf=args.gguf, license=args.license)
+    what = "merged model" if result.merged else "adapter"
+    check = ("logits identical to the trained model's" if result.tolerance == 0 else
+             f"logits within {result.max_difference:.2g} of the largest (allowed {result.tolerance:g})")
+    print(f"exported the {what} to {result.folder} (checked: {check})")
+    if result.gguf:
+        print(f"gguf: {result.gguf}")
+    if result.url:
+        print(f"pushed: {result.url}")
+    return 0
+
+
+def _quiet_loading() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _dim(text: str) -> str:
+    return f"\033[2m{text}\033[0m" if sys.stdout.isatty() else text
 
 
 def validate_command(args) -> int:

@@ -38,6 +38,18 @@ def load_tokenizer(recipe):
     return tokenizer
 
 
+def training_precision(train: dict) -> dict:
+    """{bf16, fp16}: the recipe's choice, else bf16 where the hardware has it (fp16 on CUDA cards without it)."""
+    if train.get("bf16") is not None or train.get("fp16") is not None:
+        return {"bf16": bool(train.get("bf16")), "fp16": bool(train.get("fp16"))}
+    import torch
+
+    if torch.cuda.is_available():
+        bf16 = torch.cuda.is_bf16_supported()
+        return {"bf16": bf16, "fp16": not bf16}
+    return {"bf16": False, "fp16": False}  # CPU: float32; bf16 autocast on CPU is slower than float32 on most machines
+
+
 def weights_dtype(recipe, precision: dict):
     """The dtype weights load in: the training precision for a frozen (LoRA) base, float32 masters for full."""
     import torch
@@ -54,7 +66,7 @@ def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bo
     """(model, peft LoraConfig or None). With hf, PEFT wraps the model inside the trainer; Unsloth wraps it here."""
     if backend == "unsloth":
         return _load_unsloth(recipe, precision, gradient_checkpointing), None
-    return _load_hf(recipe, precision), lora_config(recipe)
+    return load_hf_model(recipe, precision), lora_config(recipe)
 
 
 def _placement():
@@ -70,7 +82,7 @@ def _placement():
     return {"": state.device}
 
 
-def _load_hf(recipe, precision: dict):
+def load_hf_model(recipe, precision: dict):
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Mxfp4Config
 
     source = builtin.resolve_model(recipe.model.name_or_path)

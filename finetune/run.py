@@ -17,7 +17,7 @@ from finetune import backends
 from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
-from finetune.model import load_model, load_tokenizer
+from finetune.model import load_model, load_tokenizer, training_precision
 from finetune.report import describe_data
 from finetune.run_folder import FINAL_NAME, ProgressCallback, RunFolder, StopRequest, check_free, save_recipe
 from finetune.trainer import Trainer
@@ -96,16 +96,6 @@ def _train(recipe, state, callbacks) -> str:
             step = trainer.state.global_step if trainer is not None else 0
             run_folder.finish("failed", step, time.monotonic() - started, message)
         raise
-
-
-def training_precision(train: dict) -> dict:
-    """bf16 where the hardware has it (fp16 on CUDA cards without it), unless the recipe chose."""
-    if train.get("bf16") is not None or train.get("fp16") is not None:
-        return {}
-    if torch.cuda.is_available():
-        bf16 = torch.cuda.is_bf16_supported()
-        return {"bf16": bf16, "fp16": not bf16}
-    return {"bf16": False}  # CPU: float32; bf16 autocast on CPU is slower than float32 on most machines
 
 
 def runtime_arguments(recipe, data, flash: bool, backend: str) -> dict:

@@ -56,10 +56,12 @@ def builtin_tokenizer():
     return make_tokenizer()
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900, module: str = "finetune"):
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900, module: str = "finetune",
+            env: dict | None = None, input: str | None = None):
     """Run `python -m finetune ...` (or another module) as a user would; returns the CompletedProcess."""
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+        input=input,
     )
 
 
@@ -88,17 +90,19 @@ def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
 def tiny_models(tmp_path_factory):
     """Random-init, scaled-down Llama 3.2 and GPT-OSS (24 layers, so layer-indexed settings apply unchanged), saved
     with the real tokenizers as ordinary Hugging Face folders."""
+    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
+
+    return {"llama": save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tiny_llama_3_2()),
+            "gpt-oss": save_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), tiny_gpt_oss(num_hidden_layers=24))}
+
+
+def save_tiny_model(folder: Path, config) -> Path:
+    """A random-init model of the config (seed 0) with the real tokenizer of its architecture, as a HF folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
-
-    folders = {}
-    for name, config, tokenizer in (("llama", tiny_llama_3_2(), "tokenizers/llama-3.2-instruct"),
-                                    ("gpt-oss", tiny_gpt_oss(num_hidden_layers=24), "tokenizers/gpt-oss")):
-        folder = tmp_path_factory.mktemp(f"tiny-{name}")
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(asset(tokenizer)).save_pretrained(folder)
-        folders[name] = folder
-    return folders
+    tokenizer = {"llama": "tokenizers/llama-3.2-instruct", "gpt_oss": "tokenizers/gpt-oss"}[config.model_type]
+    AutoTokenizer.from_pretrained(asset(tokenizer)).save_pretrained(folder)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder

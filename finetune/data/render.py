@@ -73,6 +73,10 @@ class Renderer:
             add_generation_prompt=add_generation_prompt, **self._template_kwargs,
         )
 
+    def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """The conversation so far with the generation prompt: what the model sees before it writes its turn."""
+        return list(self._tokens(messages, tools, add_generation_prompt=True)["input_ids"])
+
     def _tokens(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False,
                 with_mask: bool = False) -> dict[str, list[int]]:
         try:

@@ -1,0 +1,269 @@
+"""Chat with a trained model: the library behind `finetune chat`, and behind the panel through `ChatWorker`.
+
+Prompts are rendered exactly as in training: the chat template saved with the model (the training one), the
+recipe's template variables (GPT-OSS's reasoning effort) and its fixed template date. Generation stops at the
+model's real end tokens: the end-of-turn token the template puts after an assistant turn (Llama 3.2 `<|eot_id|>`,
+ChatML `<|im_end|>`, GPT-OSS `<|return|>`), GPT-OSS's `<|call|>`, and its `<|end|>` when it closes a final-channel
+message (an `<|end|>` after the analysis channel only ends the reasoning). GPT-OSS replies are split into the
+reasoning (analysis channel) and the answer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from finetune.errors import UserError
+
+HARMONY_MESSAGE = re.compile(
+    r"<\|channel\|>(?P<channel>\w+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(?P<text>.*?)"
+    r"(?:<\|end\|>|<\|return\|>|<\|call\|>|$)",
+    re.S,
+)
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 512
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 0.95
+    seed: int | None = None
+
+
+@dataclass
+class Piece:
+    """A streamed piece of a reply: text of the reasoning or of the answer."""
+
+    kind: str  # "thinking" | "answer"
+    text: str
+
+
+@dataclass
+class Reply:
+    answer: str = ""
+    thinking: str = ""
+    ended_by: str | None = None  # the end token that stopped it; None: max_new_tokens ran out
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Chat:
+    """A trained model, loaded once, that answers conversations (lists of {role, content[, thinking]})."""
+
+    def __init__(self, path, base_model: str | None = None):
+        from finetune import trained
+        from finetune.data.render import Renderer
+
+        self.folder = trained.locate(path)
+        self.tokenizer = trained.load_tokenizer(self.folder)
+        data = self.folder.recipe.data
+        self.renderer = Renderer(self.tokenizer, self.tokenizer.chat_template, data.template_date,
+                                 template_kwargs=data.template_kwargs)
+        self.harmony = "<|channel|>" in self.tokenizer.get_vocab()
+        self.end_ids = end_token_ids(self.tokenizer, self.renderer)
+        self.model = trained.load_model(self.folder, base_model)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        from finetune.data.formats import BadRow
+
+        try:
+            return self.renderer.prompt_ids(messages)
+        except BadRow as error:
+            raise UserError(f"the conversation cannot be rendered: {error}") from None
+
+    def stream(self, messages: list[dict], sampling: Sampling = Sampling()) -> Iterator[Piece | Reply]:
+        """Pieces of the reply as they are generated, then the whole Reply."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        prompt = torch.tensor([self.prompt_ids(messages)], device=self.model.device)
+        tokens: queue.Queue = queue.Queue()
+
+        class Streamer:  # generate hands over the prompt first, then each new token
+            prompt_seen = False
+
+            def put(self, value):
+                if self.prompt_seen:
+                    tokens.put(value.reshape(-1).tolist())
+                self.prompt_seen = True
+
+            def end(self):
+                tokens.put(None)
+
+        chat = self
+
+        class FinalMessageEnd(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                done = chat._ended_by(input_ids[0, prompt.shape[1]:].tolist()) is not None
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        settings = dict(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=sampling.max_new_tokens,
+            do_sample=sampling.temperature > 0, eos_token_id=sorted(self.end_ids),
+            pad_token_id=self.tokenizer.pad_token_id, streamer=Streamer(),
+            stopping_criteria=StoppingCriteriaList([FinalMessageEnd()] if self.harmony else []),
+        )
+        if sampling.temperature > 0:
+            settings.update(temperature=sampling.temperature, top_p=sampling.top_p)
+        failure: list[BaseException] = []
+
+        def generate():
+            try:
+                with torch.inference_mode():
+                    self.model.generate(**settings)
+            except BaseException as error:  # handed to the reading side
+                failure.append(error)
+                tokens.put(None)
+
+        worker = threading.Thread(target=generate, daemon=True)
+        worker.start()
+        generated: list[int] = []
+        shown = Reply()
+        while (new := tokens.get()) is not None:
+            generated.extend(new)
+            current = self._parse(generated, final=False)
+            for kind in ("thinking", "answer"):
+                before, after = getattr(shown, kind), getattr(current, kind)
+                if len(after) > len(before) and after.startswith(before):
+                    yield Piece(kind, after[len(before):])
+                    setattr(shown, kind, after)
+        worker.join()
+        if failure:
+            raise failure[0]
+        yield self._parse(generated, final=True)
+
+    def reply(self, messages: list[dict], sampling: Sampling = Sampling()) -> Reply:
+        *_, whole = self.stream(messages, sampling)
+        return whole
+
+    def _parse(self, generated: list[int], final: bool) -> Reply:
+        reply = Reply(token_ids=list(generated), ended_by=self._ended_by(generated) if final else None)
+        if not self.harmony:
+            reply.answer = _stable(self._text(generated, special=False), final)
+            return reply
+        text = self._text(generated, special=True)
+        parts = {"thinking": [], "answer": []}
+        for message in HARMONY_MESSAGE.finditer(text):
+            parts["thinking" if message["channel"] == "analysis" else "answer"].append(message["text"])
+        if "<|channel|>" not in text:  # a model that has not learned the format: show what it wrote
+            parts["answer"].append(self._text(generated, special=False))
+        reply.thinking = _stable("\n\n".join(parts["thinking"]), final)
+        reply.answer = _stable("\n\n".join(parts["answer"]), final)
+        return reply
+
+    def _text(self, generated: list[int], special: bool) -> str:
+        return self.tokenizer.decode(generated, skip_special_tokens=not special, clean_up_tokenization_spaces=False)
+
+    def _ended_by(self, generated: list[int]) -> str | None:
+        """The end token that closes the reply, if the last token is one (GPT-OSS's <|end|> only after a final
+        message: after the analysis channel the answer is still to come)."""
+        if not generated:
+            return None
+        last = self.tokenizer.convert_ids_to_tokens(generated[-1])
+        if generated[-1] in self.end_ids:
+            return last
+        if self.harmony and last == "<|end|>":
+            channels = re.findall(r"<\|channel\|>(\w+)", self._text(generated, special=True))
+            return last if channels and channels[-1] == "final" else None
+        return None
+
+
+def _stable(text: str, final: bool) -> str:
+    """Hold back a trailing partial character (bytes of a multi-byte character still to come)."""
+    return text if final else text.rstrip("\ufffd")
+
+
+def end_token_ids(tokenizer, renderer) -> set[int]:
+    """The tokens that end the model's turn: what the template puts after an assistant turn, the tokenizer's end of
+    sequence, and GPT-OSS's end-of-reply and tool-call tokens."""
+    ids, labels = renderer.encode({"messages": [{"role": "user", "content": "Hello"},
+                                                {"role": "assistant", "content": "Hi"}]})
+    trained = [label for label in labels if label != -100]
+    ends = {trained[-1]}
+    if tokenizer.eos_token_id is not None:
+        ends.add(tokenizer.eos_token_id)
+    vocabulary = tokenizer.get_vocab()
+    ends.update(vocabulary[token] for token in ("<|return|>", "<|call|>") if token in vocabulary)
+    return ends
+
+
+class ChatWorker:
+    """A Chat in its own process, so the caller (the panel) never loads torch or a model.
+
+    `stream` works as Chat.stream; a failure to load becomes a UserError with the worker's message."""
+
+    def __init__(self, path, base_model: str | None = None):
+        context = multiprocessing.get_context("spawn")
+        self._requests = context.Queue()
+        self._answers = context.Queue()
+        self._process = context.Process(target=_serve, args=(str(path), base_model, self._requests, self._answers),
+                                        daemon=True)
+        self._process.start()
+        try:
+            self._receive()
+        except BaseException:
+            self.close()
+            raise
+
+    def stream(self, messages: list[dict], sampling: Sampling = Sampling()) -> Iterator[Piece | Reply]:
+        self._requests.put((messages, sampling))
+        while True:
+            item = self._receive()
+            yield item
+            if isinstance(item, Reply):
+                return
+
+    def _receive(self):
+        while True:
+            try:
+                kind, detail = self._answers.get(timeout=1)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the chat worker exited (status {self._process.exitcode})") from None
+                continue
+            if kind == "error":
+                raise UserError(detail)
+            if kind == "failure":
+                raise RuntimeError(f"the chat worker failed: {detail}")
+            return detail
+
+    def reply(self, messages: list[dict], sampling: Sampling = Sampling()) -> Reply:
+        *_, whole = self.stream(messages, sampling)
+        return whole
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._requests.put(None)
+            self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _serve(path: str, base_model: str | None, requests, answers) -> None:
+    def failed(error: BaseException) -> tuple[str, str]:
+        return ("error", str(error)) if isinstance(error, UserError) else ("failure", f"{type(error).__name__}: {error}")
+
+    try:
+        chat = Chat(path, base_model)
+    except Exception as error:
+        answers.put(failed(error))
+        return
+    answers.put(("ready", None))
+    while (request := requests.get()) is not None:
+        try:
+            for item in chat.stream(*request):
+                answers.put(("item", item))
+        except Exception as error:
+            answers.put(failed(error))

@@ -1,0 +1,351 @@
+"""Export a trained model: the adapter alone, or merged into its base; checked, then optionally pushed to the Hub.
+
+    adapter   PEFT's adapter_model.safetensors + adapter_config.json (base_model_name_or_path: the recipe's model)
+    merged    the adapter merged into the base loaded unquantized in 16 bits (a QLoRA adapter too: merging into
+              4-bit weights would round the adapter away), saved as safetensors
+    both      the tokenizer with the chat template used in training, generation_config.json whose eos_token_id
+              lists the model's real end tokens, finetune.yaml, and a model card (README.md with metadata)
+
+Everything is written to a staging folder beside --out and checked before it takes the name: the folder is
+reloaded with transformers (+ PEFT) and its logits on a fixed prompt are compared with the model before export
+(exactly equal for an adapter; within 16-bit rounding when merged or cast). A failed check leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune import trained
+from finetune.errors import CommandFailed, UserError
+from finetune.run_folder import CONFIG_NAME, PROGRESS_NAME, save_recipe
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
+CHECK_CONVERSATION = [{"role": "user", "content": "Write one sentence about the sea, then count to five."}]
+# Relative to the largest reference logit. bfloat16 keeps 8 bits of mantissa (relative step 2^-8 = 0.0039) and
+# float16 11; a merged or cast model rounds every weight once, and the rounding errors of a few layers add up to a
+# few steps. A wrong merge (a missing or doubled adapter, a wrong scale) is off by far more.
+TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
+
+
+@dataclass
+class Export:
+    folder: Path
+    merged: bool
+    max_difference: float  # of the reloaded export's logits from the model's, relative to the largest logit
+    tolerance: float
+    gguf: Path | None = None
+    url: str | None = None
+
+
+def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str | None = None,
+           push_to_hub: str | None = None, private: bool = False, gguf: bool = False,
+           license: str | None = None) -> Export:
+    source = trained.locate(path)
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not empty; choose another folder")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    merged = merge or not source.is_adapter  # a fully fine-tuned model is exported whole, in --dtype
+    converter = gguf_converter() if gguf else None
+    if gguf and not merged:
+        raise UserError("--gguf converts a whole model: add --merge to merge the adapter into its base first")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-partial-"))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
+    try:
+        result = _write_and_check(source, staging, merged, DTYPES[dtype], base_model)
+        _write_card(source, staging, out.name, merged, DTYPES[dtype], license)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    result.folder = out
+    if converter:
+        result.gguf = _convert_to_gguf(converter, out, dtype)
+    if push_to_hub:
+        result.url = push(out, push_to_hub, private)
+    return result
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool, dtype: str,
+                     base_model: str | None) -> Export:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.chat import end_token_ids
+    from finetune.data.render import Renderer
+
+    tokenizer = trained.load_tokenizer(source)
+    renderer = _renderer(tokenizer, source, Renderer)
+    prompt = renderer.prompt_ids(CHECK_CONVERSATION) if tokenizer.chat_template else tokenizer(
+        CHECK_CONVERSATION[0]["content"])["input_ids"]
+
+    if merged and source.is_adapter:
+        model = trained.load_model(source, base_model, dtype=dtype)
+        reference = _logits(model, prompt)  # the adapter on the 16-bit base, before merging
+        model = model.merge_and_unload()
+    else:
+        model = trained.load_model(source, base_model)
+        reference = _logits(model, prompt)  # the model as trained (a full model as saved, before the cast)
+        if merged:
+            model = model.to(getattr(torch, dtype))
+    device = model.device
+    model.save_pretrained(staging)
+    generation = model.generation_config
+    generation.eos_token_id = sorted(end_token_ids(tokenizer, renderer))
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    save_recipe(source.recipe, staging)
+    if not merged:
+        _point_adapter_at_base(staging, source)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # The check: load what was written with transformers (and PEFT), as a user would, and compare.
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(staging)
+    if tokenizer.chat_template and _renderer(reloaded_tokenizer, source, Renderer).prompt_ids(CHECK_CONVERSATION) != prompt:
+        raise CommandFailed("export check failed: the exported tokenizer renders conversations differently from "
+                            "the one used in training; nothing was written")
+    if merged:
+        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype), device_map={"": device})
+    else:
+        from peft import PeftModel
+
+        reloaded = PeftModel.from_pretrained(trained.load_base(source, base_model), staging)
+    difference = _relative_difference(reference, _logits(reloaded.eval(), prompt))
+    tolerance = TOLERANCE[dtype] if merged else 0.0
+    if not difference <= tolerance:
+        raise CommandFailed(
+            f"export check failed: the reloaded export's logits differ from the model's by {difference:.3g} of the "
+            f"largest logit (allowed: {tolerance:g}); nothing was written"
+        )
+    return Export(staging, merged, difference, tolerance)
+
+
+def _renderer(tokenizer, source: trained.TrainedFolder, renderer_class):
+    data = source.recipe.data
+    return renderer_class(tokenizer, tokenizer.chat_template, data.template_date,
+                          template_kwargs=data.template_kwargs)
+
+
+def _logits(model, prompt: list[int]):
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=model.device)
+        return model(input_ids=ids).logits[0].float().cpu()
+
+
+def _relative_difference(reference, other) -> float:
+    return ((reference - other).abs().max() / reference.abs().max()).item()
+
+
+def _point_adapter_at_base(staging: Path, source: trained.TrainedFolder) -> None:
+    """The adapter names the recipe's base model (a Hub id people can load), not the path it loaded from here."""
+    from finetune import builtin
+
+    config_path = staging / trained.ADAPTER_CONFIG
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = builtin.resolve_model(source.recipe.model.name_or_path)
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def final_losses(source: trained.TrainedFolder) -> dict[str, float]:
+    """The last train and eval loss up to this model's step, from its run's progress.jsonl."""
+    if source.run is None:
+        return {}
+    last_step = None
+    if source.path.name.startswith("checkpoint-"):
+        last_step = int(source.path.name.split("-")[-1])
+    losses: dict[str, float] = {}
+    for line in (source.run / PROGRESS_NAME).read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        if "status" in row or (last_step is not None and row.get("step", 0) > last_step):
+            continue
+        for key, name in (("loss", "train_loss"), ("eval_loss", "eval_loss")):
+            if key in row:
+                losses[name] = row[key]
+                losses[f"{name}_step"] = row["step"]
+    return losses
+
+
+def hub_datasets(recipe) -> list[str]:
+    """The recipe's training data that are Hub datasets (owner/name), for the card's metadata."""
+    names = recipe.data.train if isinstance(recipe.data.train, list) else [recipe.data.train]
+    return [repo for repo in (hub_id(name.partition("@")[0].partition(":")[0]) for name in names) if repo]
+
+
+def hub_id(name: str) -> str | None:
+    """`name` if it is a Hub repository id (owner/name), not a builtin or a path on this machine."""
+    from finetune import builtin
+
+    if builtin.is_builtin(name) or Path(name).expanduser().exists() or name.count("/") != 1 or name.startswith("."):
+        return None
+    return name
+
+
+def base_license(base: str) -> str | None:
+    """The base model's license from its model card, when the card is on this machine (a local folder or the
+    Hugging Face cache); None when unknown."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
+    card = Path(base).expanduser() / "README.md"
+    if not card.is_file():
+        cached = try_to_load_from_cache(hub_id(base), "README.md") if hub_id(base) else None
+        if not isinstance(cached, str):
+            return None
+        card = Path(cached)
+    try:
+        return ModelCard.load(card).data.license
+    except Exception:  # a card without metadata, or unparsable: the license stays unknown
+        return None
+
+
+def _write_card(source: trained.TrainedFolder, staging: Path, title: str, merged: bool, dtype: str,
+                license: str | None) -> None:
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from finetune import builtin
+
+    recipe = source.recipe
+    base = recipe.model.name_or_path
+    loadable_base = builtin.resolve_model(base)  # builtins are local folders; Hub ids stay ids
+    license = license or base_license(source.base_model()) or "other"
+    datasets = hub_datasets(recipe)
+    data = ModelCardData(
+        base_model=hub_id(base), datasets=datasets or None, license=license,
+        library_name="transformers" if merged else "peft", pipeline_tag="text-generation",
+        tags=["finetune", "trl", "sft", *([] if merged else ["lora"]), *(["qlora"] if recipe.method == "qlora" else [])],
+    )
+    losses = final_losses(source)
+    train = recipe.train
+    what = {"full": "A fully fine-tuned", "lora": "A LoRA", "qlora": "A QLoRA (LoRA on a 4-bit NF4 base)"}[recipe.method]
+    lines = [
+        f"# {title}",
+        "",
+        f"{what} fine-tune of `{base}`, trained with finetune (TRL's `SFTTrainer` and PEFT)"
+        + (f", exported merged into the base in {dtype}." if merged and source.is_adapter else
+           f", exported in {dtype}." if merged else ": the adapter alone."),
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base}` |",
+        f"| method | {recipe.method}"
+        + (f" (r {recipe.lora.r}, alpha {recipe.lora.alpha}, targets {recipe.lora.target_modules}"
+           + (f", parameters {', '.join(recipe.lora.target_parameters)}" if recipe.lora.target_parameters else "")
+           + ")" if recipe.method != "full" else "") + " |",
+        f"| data | {', '.join(datasets) if datasets else recipe.data.train} |",
+        f"| loss on | {recipe.data.loss_on} turns; reasoning (`thinking`) trained: "
+        f"{'yes' if recipe.data.train_thinking else 'no'} |",
+    ]
+    for key in ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "max_length", "packing", "lr_scheduler_type", "warmup_steps", "seed"):
+        if key in train:
+            lines.append(f"| {key} | {train[key]} |")
+    for name in ("train_loss", "eval_loss"):
+        if name in losses:
+            lines.append(f"| final {name.replace('_', ' ')} | {losses[name]:.4f} (step {losses[name + '_step']}) |")
+        else:
+            lines.append(f"| final {name.replace('_', ' ')} | not recorded |")
+    lines += ["", "## Use it", "", "```python"]
+    if merged:
+        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  'model = AutoModelForCausalLM.from_pretrained("REPO", dtype="auto", device_map="auto")',
+                  'tokenizer = AutoTokenizer.from_pretrained("REPO")']
+    else:
+        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  f'base = AutoModelForCausalLM.from_pretrained("{loadable_base}", dtype="auto", device_map="auto")',
+                  'model = PeftModel.from_pretrained(base, "REPO")',
+                  'tokenizer = AutoTokenizer.from_pretrained("REPO")  # with the chat template used in training']
+    lines += [
+        'messages = [{"role": "user", "content": "Hello!"}]',
+        'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",',
+        '                                       return_dict=True).to(model.device)',
+        "output = model.generate(**inputs, max_new_tokens=256)  # stops at the end tokens in generation_config.json",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "```",
+        "",
+        "REPO is this repository's id, or the folder it was downloaded to.",
+        "",
+        "## Recipe",
+        "",
+        f"The resolved recipe ({CONFIG_NAME}, also in this folder):",
+        "",
+        "```yaml",
+        recipe.to_yaml().rstrip(),
+        "```",
+        "",
+        "## License",
+        "",
+        "The base model's license applies; see its model card." if license == "other" else f"`{license}`",
+    ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+    card.save(staging / "README.md")
+
+
+def gguf_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py: in $LLAMA_CPP_DIR, or on PATH."""
+    places = []
+    if os.environ.get("LLAMA_CPP_DIR"):
+        places.append(Path(os.environ["LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py")
+    on_path = shutil.which("convert_hf_to_gguf.py")
+    if on_path:
+        places.append(Path(on_path))
+    for place in places:
+        if place.is_file():
+            return place
+    raise UserError("--gguf needs llama.cpp's converter (convert_hf_to_gguf.py), which was not found: set "
+                    "LLAMA_CPP_DIR to a llama.cpp checkout (with `pip install -r requirements.txt` done there), or "
+                    "put the script on PATH; or export without --gguf")
+
+
+def _convert_to_gguf(converter: Path, out: Path, dtype: str) -> Path:
+    target = out / f"model-{GGUF_TYPES[dtype]}.gguf"
+    result = subprocess.run([sys.executable, str(converter), str(out), "--outfile", str(target),
+                             "--outtype", GGUF_TYPES[dtype]], capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        raise CommandFailed(f"llama.cpp's converter failed: {last}; the checked export in {out} is intact")
+    return target
+
+
+def push(folder: Path, repo: str, private: bool) -> str:
+    """Upload the folder with huggingface_hub. The token is the standard one (HF_TOKEN, or `hf auth login`) and is
+    handed to huggingface_hub only: never printed, never written."""
+    from huggingface_hub import HfApi, get_token
+
+    later = f"the export in {folder} is complete and checked; upload it later with `hf upload {repo} {folder}`"
+    if not get_token():
+        raise UserError(f"--push-to-hub {repo}: no Hugging Face token; run `hf auth login` or set HF_TOKEN; {later}")
+    api = HfApi()
+    try:
+        url = api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(repo_id=url.repo_id, folder_path=folder, commit_message="Upload with finetune export")
+    except Exception as error:  # offline, refused, network: one line, the local export stays
+        text = str(error).strip().splitlines()
+        raise CommandFailed(f"--push-to-hub {repo}: the upload failed ({type(error).__name__}: "
+                            f"{text[0] if text else 'no detail'}); {later}") from None
+    return f"{url}"

@@ -1,0 +1,112 @@
+"""A trained model on disk: a run's final/, a checkpoint-N/, or a folder written by `finetune export`.
+
+Each holds the resolved recipe (finetune.yaml), the tokenizer with the chat template used in training, and either a
+PEFT adapter (adapter_config.json) or a full model (config.json). An adapter is loaded onto its base model exactly
+as in training (same dtype; 4-bit NF4 for qlora), so chat and export see the model that was trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from finetune.config import Recipe, recipe_from_dict
+from finetune.errors import UserError
+from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME
+
+ADAPTER_CONFIG = "adapter_config.json"
+WHAT_TO_PASS = "pass a run's final/, one of its checkpoint-N/ folders, or a folder written by `finetune export`"
+
+
+@dataclass
+class TrainedFolder:
+    path: Path
+    recipe: Recipe
+    is_adapter: bool
+
+    @property
+    def run(self) -> Path | None:
+        """The run folder this came from (final/ and checkpoint-N/ sit in one), if there is one."""
+        parent = self.path.parent
+        return parent if (parent / PROGRESS_NAME).is_file() else None
+
+    def base_model(self, override: str | None = None) -> str:
+        """Where the base model loads from: the override, else the recipe's model (builtins built on demand)."""
+        from finetune import builtin
+
+        return override or builtin.resolve_model(self.recipe.model.name_or_path)
+
+
+def locate(path: str | Path) -> TrainedFolder:
+    """Check PATH before anything heavy loads; a run folder stands for its final/."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise UserError(f"{folder} does not exist; {WHAT_TO_PASS}")
+    if not folder.is_dir():
+        raise UserError(f"{folder} is a file; {WHAT_TO_PASS}")
+    if (folder / PROGRESS_NAME).is_file():  # a run folder
+        if not (folder / FINAL_NAME).is_dir():
+            checkpoints = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+            hint = f"pass {checkpoints[-1]}" if checkpoints else "it has no checkpoint yet either"
+            raise UserError(f"{folder} is a run without final/ (not finished); {hint}")
+        folder = folder / FINAL_NAME
+    config = folder / CONFIG_NAME
+    if not config.is_file():
+        raise UserError(f"{folder} has no {CONFIG_NAME}, so the recipe it was trained with is unknown; {WHAT_TO_PASS}")
+    try:
+        recipe = recipe_from_dict(yaml.safe_load(config.read_text(encoding="utf-8")) or {}, str(config))
+    except yaml.YAMLError as error:
+        raise UserError(f"{config}: not valid YAML: {error}") from None
+    is_adapter = (folder / ADAPTER_CONFIG).is_file()
+    if not is_adapter and not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has neither an adapter ({ADAPTER_CONFIG}) nor a model (config.json); "
+                        + WHAT_TO_PASS)
+    return TrainedFolder(folder, recipe, is_adapter)
+
+
+def load_tokenizer(folder: TrainedFolder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder.path)
+
+
+def load_model(folder: TrainedFolder, base_model: str | None = None, dtype: str | None = None):
+    """The trained model, in eval mode: the base with the adapter on it, or the full model. `dtype` (bfloat16,
+    float16, float32) loads an adapter's base unquantized in that dtype instead of as trained: what merging needs."""
+    model = load_base(folder, base_model, dtype)
+    if folder.is_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, folder.path)
+    return model.eval()
+
+
+def load_base(folder: TrainedFolder, base_model: str | None = None, dtype: str | None = None):
+    """An adapter's base model loaded as in training (or unquantized in `dtype`); for a full model, the model."""
+    from finetune.model import load_hf_model, training_precision
+
+    recipe = folder.recipe
+    if folder.is_adapter:
+        method = recipe.method if dtype is None else "lora"
+        model_settings = {"name_or_path": folder.base_model(base_model), "dtype": dtype or recipe.model.dtype}
+    else:  # fine-tuned in full, or merged by export: it loads in the dtype it was saved in
+        method = "full"
+        model_settings = {"name_or_path": str(folder.path), "dtype": dtype or saved_dtype(folder.path)}
+    as_trained = dataclasses.replace(recipe, method=method, model=dataclasses.replace(recipe.model, **model_settings))
+    try:
+        return load_hf_model(as_trained, training_precision(recipe.train)).eval()
+    except UserError as error:
+        if not folder.is_adapter:
+            raise
+        raise UserError(f"{error}. The adapter in {folder.path} was trained on it (model.name_or_path in "
+                        f"{CONFIG_NAME}); pass --base-model with where that model is now") from None
+
+
+def saved_dtype(path: Path) -> str:
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return saved if saved in ("bfloat16", "float16", "float32") else "float32"

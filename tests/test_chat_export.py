@@ -1,0 +1,409 @@
+"""Chat with trained models and export them: tiny Llama 3.2 and GPT-OSS models (real tokenizers) trained here with
+LoRA, QLoRA and in full, exported, and reloaded with plain transformers + PEFT, never with our code."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_cli, save_tiny_model
+
+pytestmark = pytest.mark.integration
+PROMPT = [{"role": "user", "content": "I am qqq."}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two-layer random-init Llama 3.2 and GPT-OSS (experts, sinks, sliding window) with their real tokenizers."""
+    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
+
+    return {"llama": save_tiny_model(tmp_path_factory.mktemp("llama"), tiny_llama_3_2()),
+            "gpt-oss": save_tiny_model(tmp_path_factory.mktemp("gpt-oss"), tiny_gpt_oss())}
+
+
+@pytest.fixture(scope="module")
+def greetings(tmp_path_factory) -> Path:
+    """One pattern a tiny model learns in a few dozen steps: reasoning "Greet." and the answer "Hi!"."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "greetings.jsonl"
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(64):
+            name = "".join(rng.choice("abcdefghij") for _ in range(5))
+            out.write(json.dumps({"messages": [{"role": "user", "content": f"I am {name}."},
+                                               {"role": "assistant", "content": "Hi!", "thinking": "Greet."}]}) + "\n")
+    return path
+
+
+# (architecture, method): steps, learning rate, batch. The long ones learn the answer and its end tokens.
+TRAINING = {
+    ("llama", "lora"): (30, 1e-2, 4),
+    ("llama", "qlora"): (4, 1e-2, 4),
+    ("gpt-oss", "lora"): (4, 1e-2, 4),
+    ("gpt-oss", "qlora"): (4, 1e-2, 4),
+    ("gpt-oss", "full"): (30, 5e-3, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(models, greetings, tmp_path_factory):
+    """trained(architecture, method) -> the run folder, trained once per module with `finetune train`."""
+    runs: dict[tuple[str, str], Path] = {}
+
+    def train(architecture: str, method: str) -> Path:
+        if (architecture, method) not in runs:
+            steps, learning_rate, batch = TRAINING[architecture, method]
+            run = tmp_path_factory.mktemp("runs") / f"{architecture}-{method}"
+            result = run_cli(
+                "train", "quickstart", f"model.name_or_path={models[architecture]}", f"data.train={greetings}",
+                f"method={method}", "data.eval_fraction=0", "train.eval_on_start=false", f"train.max_steps={steps}",
+                f"train.learning_rate={learning_rate}", f"train.per_device_train_batch_size={batch}",
+                "train.max_length=128", "train.save_steps=2", "train.logging_steps=2", f"output_dir={run}",
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[architecture, method] = run
+        return runs[architecture, method]
+
+    return train
+
+
+def plain_model(base: Path, adapter: Path | None = None, qlora: bool = False):
+    """What a user writes: transformers (+ bitsandbytes for a 4-bit base) + PEFT, in float32 as trained on CPU."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    settings = {"dtype": torch.float32}
+    if AutoConfig.from_pretrained(base).model_type == "gpt_oss":
+        settings["attn_implementation"] = "eager"  # the attention sinks
+    if qlora:
+        settings["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, **settings)
+    return (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
+
+
+def prompt_ids(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+def greedy(model, inputs, tokens: int = 8) -> list[int]:
+    output = model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def logits(model, inputs):
+    import torch
+
+    with torch.inference_mode():
+        return model(**inputs).logits[0]
+
+
+@pytest.mark.parametrize("architecture, method", [("llama", "lora"), ("llama", "qlora"), ("gpt-oss", "lora"),
+                                                  ("gpt-oss", "qlora")])
+def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp_path, architecture, method):
+    from finetune.chat import Chat
+
+    run = trained(architecture, method)
+    out = tmp_path / "export"
+    result = run_cli("export", str(run / "final"), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checked: logits identical to the trained model's" in result.stdout
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "chat_template.jinja",
+            "generation_config.json", "README.md", "finetune.yaml"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(models[architecture])
+
+    ours = Chat(run / "final").model  # the trained model, as our code loads it
+    plain = plain_model(models[architecture], out, qlora=method == "qlora")
+    inputs = prompt_ids(out)
+    import torch
+
+    assert torch.equal(logits(plain, inputs), logits(ours, inputs))
+    assert greedy(plain, inputs) == greedy(ours, inputs)
+    base = plain_model(models[architecture], qlora=method == "qlora")
+    assert not torch.allclose(logits(base, inputs), logits(ours, inputs), atol=1e-3), "the adapter changes nothing"
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt-oss"])
+def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_path, architecture):
+    """GPT-OSS's merge includes the adapters on the expert weights (target_parameters)."""
+    import torch
+
+    from finetune.chat import Chat
+
+    run = trained(architecture, "lora")
+    out = tmp_path / "merged"
+    result = run_cli("export", str(run / "final"), "--out", str(out), "--merge", "--dtype", "fp32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    plain = plain_model(out)
+    ours = Chat(run / "final").model
+    inputs = prompt_ids(out)
+    assert greedy(plain, inputs) == greedy(ours, inputs)
+    assert torch.allclose(logits(plain, inputs), logits(ours, inputs), atol=1e-4)
+
+
+def test_qlora_adapter_merges_into_a_16_bit_base(trained, tmp_path):
+    from safetensors import safe_open
+
+    run = trained("llama", "qlora")
+    out = tmp_path / "merged"
+    result = run_cli("export", str(run / "final"), "--out", str(out), "--merge")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exported the merged model" in result.stdout and "allowed 0.05" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert {str(weights.get_slice(name).get_dtype()) for name in weights.keys()} == {"BF16"}
+
+
+def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_tokenizer):
+    run = trained("gpt-oss", "lora")
+    out = tmp_path / "export"
+    assert run_cli("export", str(run / "final"), "--out", str(out)).returncode == 0
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert sorted(gptoss_tokenizer.convert_ids_to_tokens(generation["eos_token_id"])) == [
+        "<|call|>", "<|return|>"]
+    card = (out / "README.md").read_text()
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert metadata["library_name"] == "peft" and metadata["pipeline_tag"] == "text-generation"
+    assert metadata["license"] == "other" and "lora" in metadata["tags"]
+    progress = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+    last_loss = [row for row in progress if "loss" in row][-1]
+    assert f"| final train loss | {last_loss['loss']:.4f} (step {last_loss['step']}) |" in card
+    assert "| final eval loss | not recorded |" in card
+    assert "PeftModel.from_pretrained(base" in card and "name_or_path:" in card  # how to load; the recipe
+    assert "7.mlp.experts" not in card  # this recipe adapts no experts
+    assert (out / "chat_template.jinja").read_text() == (run / "final" / "chat_template.jinja").read_text()
+
+
+def test_chat_stops_at_the_end_token_it_learned(trained):
+    from finetune.chat import Chat, Sampling
+
+    run = trained("llama", "lora")
+    reply = Chat(run / "final").reply(PROMPT, Sampling(max_new_tokens=40, temperature=0))
+    assert reply.answer == "Hi!" and reply.ended_by == "<|eot_id|>" and len(reply.token_ids) < 40
+    result = run_cli("chat", str(run), "--prompt", "I am zed.", "--temperature", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "Hi!\n"
+
+
+def test_gpt_oss_chat_shows_reasoning_apart_and_stops_at_return(trained):
+    """The analysis message ends with <|end|>; generation goes on to the final answer and stops at <|return|>."""
+    from finetune.chat import Chat, Piece, Reply, Sampling
+
+    chat = Chat(trained("gpt-oss", "full") / "final")
+    items = list(chat.stream(PROMPT, Sampling(max_new_tokens=60, temperature=0)))
+    reply = items[-1]
+    assert isinstance(reply, Reply)
+    assert (reply.thinking, reply.answer, reply.ended_by) == ("Greet.", "Hi!", "<|return|>")
+    kinds = [item.kind for item in items if isinstance(item, Piece)]
+    assert kinds == sorted(kinds, key=["thinking", "answer"].index) and set(kinds) == {"thinking", "answer"}
+    assert "".join(i.text for i in items if isinstance(i, Piece) and i.kind == "answer") == "Hi!"
+
+    interactive = run_cli("chat", str(trained("gpt-oss", "full")), "--temperature", "0", input="I am bob.\nI am al.\n")
+    assert interactive.returncode == 0, interactive.stderr[-3000:]
+    assert interactive.stdout.count("reasoning> Greet.") == 2 and interactive.stdout.count("assistant> Hi!") == 2
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt-oss"])
+def test_chat_renders_conversations_as_training_did(trained, architecture):
+    """The prompt chat builds for a multi-turn conversation is, token for token, what training put before the
+    assistant turn it trained on."""
+    from finetune.chat import Chat
+    from finetune.data.render import IGNORE, Renderer
+    from finetune.model import load_tokenizer
+
+    chat = Chat(trained(architecture, "lora") / "final")
+    data = chat.folder.recipe.data
+    tokenizer = load_tokenizer(chat.folder.recipe)  # what training loaded
+    training = Renderer(tokenizer, tokenizer.chat_template, data.template_date, data.loss_on, data.train_thinking,
+                        data.template_kwargs)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "I am ann."},
+                    {"role": "assistant", "content": "Hi!", "thinking": "Greet."}, {"role": "user", "content": "Bye."},
+                    {"role": "assistant", "content": "Bye!", "thinking": "Wave."}]
+    ids, labels = training.encode({"messages": conversation})
+    last_turn_start = max(i for i in range(1, len(labels)) if labels[i] != IGNORE and labels[i - 1] == IGNORE)
+    assert chat.prompt_ids(conversation[:-1]) == ids[:last_turn_start]
+    if architecture == "gpt-oss":  # the recipe's template variables reach chat too
+        assert "Reasoning: medium" in tokenizer.decode(chat.prompt_ids(conversation[:2]))
+
+
+def test_chat_worker_process(trained, tmp_path):
+    from finetune.chat import Chat, ChatWorker, Sampling
+    from finetune.errors import UserError
+
+    final = trained("llama", "lora") / "final"
+    greedy_settings = Sampling(max_new_tokens=20, temperature=0)
+    with ChatWorker(final) as worker:
+        assert worker.reply(PROMPT, greedy_settings).answer == Chat(final).reply(PROMPT, greedy_settings).answer
+        process = worker._process
+    assert not process.is_alive()
+    with pytest.raises(UserError, match="does not exist"):
+        ChatWorker(tmp_path / "missing")
+
+
+def test_bad_paths_get_clear_errors(trained, models, tmp_path):
+    from finetune.errors import UserError
+    from finetune.trained import locate
+
+    run = trained("llama", "lora")
+    missing = run_cli("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+    no_config = tmp_path / "checkpoint-30"
+    shutil.copytree(run / "checkpoint-30", no_config)
+    (no_config / "finetune.yaml").unlink()
+    with pytest.raises(UserError, match="has no finetune.yaml, so the recipe it was trained with is unknown"):
+        locate(no_config)
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run, unfinished, ignore=shutil.ignore_patterns("final"))
+    with pytest.raises(UserError, match="is a run without final/ .*; pass .*checkpoint-30"):
+        locate(unfinished)
+
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "final", moved)
+    recipe = yaml.safe_load((moved / "finetune.yaml").read_text())
+    recipe["model"]["name_or_path"] = str(tmp_path / "no-such-base")
+    (moved / "finetune.yaml").write_text(yaml.safe_dump(recipe))
+    result = run_cli("chat", str(moved), "--prompt", "I am zed.", "--temperature", "0")
+    assert result.returncode == 2 and "no-such-base" in result.stderr and "--base-model" in result.stderr
+    result = run_cli("chat", str(moved), "--prompt", "I am zed.", "--temperature", "0",
+                     "--base-model", str(models["llama"]))
+    assert result.returncode == 0 and result.stdout == "Hi!\n"
+
+
+def test_export_refusals_leave_nothing(trained, tmp_path):
+    final = trained("llama", "lora") / "final"
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    result = run_cli("export", str(final), "--out", str(taken))
+    assert result.returncode == 2 and "not empty" in result.stderr and os.listdir(taken) == ["keep.txt"]
+
+    env = {key: value for key, value in os.environ.items() if key != "LLAMA_CPP_DIR"}
+    result = run_cli("export", str(final), "--out", str(tmp_path / "gguf"), "--merge", "--gguf", env=env)
+    assert result.returncode == 2 and "convert_hf_to_gguf.py" in result.stderr and "LLAMA_CPP_DIR" in result.stderr
+    assert not (tmp_path / "gguf").exists() and not list(tmp_path.glob(".gguf-partial-*"))
+
+
+def test_failed_check_exits_nonzero_and_writes_nothing(trained, tmp_path, monkeypatch):
+    """A merged bf16 export differs from the unmerged model by rounding; with no rounding allowed, it must fail."""
+    from finetune import export
+    from finetune.errors import CommandFailed
+
+    monkeypatch.setitem(export.TOLERANCE, "bfloat16", 0.0)
+    with pytest.raises(CommandFailed, match="export check failed") as failure:
+        export.export(trained("llama", "lora") / "final", tmp_path / "out", merge=True, push_to_hub="me/never")
+    assert failure.value.exit_code == 1
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR (a llama.cpp checkout with its "
+                    "converter's requirements installed) is not set")
+def test_gguf_export_with_llama_cpp(trained, tmp_path):
+    out = tmp_path / "gguf"
+    result = run_cli("export", str(trained("llama", "lora") / "final"), "--out", str(out), "--merge", "--gguf")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "model-bf16.gguf").stat().st_size > 0
+
+
+class FakeHub:
+    """The Hub's HTTP API, as far as creating a repository and committing files goes, on loopback: it records every
+    request, so a test sees what would have been uploaded and with which credentials."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, dict, bytes]] = []
+        self.files: dict[str, bytes] = {}
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                hub.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}, b""))
+                self.answer({"error": "not here"}, 404)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                hub.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                if self.path == "/api/repos/create":
+                    request = json.loads(body)
+                    return self.answer({"url": f"{hub.url}/{request['organization']}/{request['name']}"})
+                if self.path == "/api/validate-yaml":
+                    return self.answer({"errors": [], "warnings": []})
+                if "/preupload/" in self.path:
+                    return self.answer({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                                  for f in json.loads(body)["files"]]})
+                if "/commit/" in self.path:
+                    for line in body.decode().splitlines():
+                        item = json.loads(line)
+                        if item["key"] == "file":
+                            hub.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    return self.answer({"commitUrl": f"{hub.url}/me/tiny/commit/{'a' * 40}", "commitOid": "a" * 40})
+                self.answer({"error": "not here"}, 404)
+
+            def answer(self, data: dict, status: int = 200):
+                payload = json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+TOKEN = "hf_testTokenThatMustNeverBePrinted"
+
+
+def hub_env(tmp_path: Path, **changes: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    return {**env, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1", **changes}
+
+
+def test_push_to_hub_uploads_the_checked_export(trained, tmp_path):
+    hub = FakeHub()
+    out = tmp_path / "export"
+    env = hub_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN)
+    result = run_cli("export", str(trained("llama", "lora") / "final"), "--out", str(out), "--push-to-hub", "me/tiny",
+                     "--private", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"pushed: {hub.url}/me/tiny" in result.stdout
+    create = next(body for path, _, body in hub.requests if path == "/api/repos/create")
+    assert json.loads(create) == {"name": "tiny", "organization": "me", "visibility": "private"}
+    assert all(headers.get("authorization") == f"Bearer {TOKEN}" for path, headers, _ in hub.requests
+               if path.startswith(("/api/repos", "/api/models")))
+    assert hub.files == {path.name: path.read_bytes() for path in out.iterdir()}
+    assert TOKEN not in result.stdout + result.stderr
+    assert not any(TOKEN.encode() in path.read_bytes() for path in out.iterdir())
+
+
+def test_push_without_token_or_offline_keeps_the_local_export(trained, tmp_path):
+    final = trained("llama", "lora") / "final"
+    result = run_cli("export", str(final), "--out", str(tmp_path / "a"), "--push-to-hub", "me/tiny",
+                     env=hub_env(tmp_path))
+    assert result.returncode == 2 and "no Hugging Face token" in result.stderr and "hf auth login" in result.stderr
+    assert "hf upload me/tiny" in result.stderr and (tmp_path / "a" / "adapter_model.safetensors").is_file()
+
+    result = run_cli("export", str(final), "--out", str(tmp_path / "b"), "--push-to-hub", "me/tiny",
+                     env=hub_env(tmp_path, HF_HUB_OFFLINE="1", HF_TOKEN=TOKEN))
+    assert result.returncode == 1 and "the upload failed" in result.stderr and "Traceback" not in result.stderr
+    assert TOKEN not in result.stdout + result.stderr
+    assert (tmp_path / "b" / "adapter_model.safetensors").is_file()
