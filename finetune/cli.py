@@ -154,10 +154,9 @@ def export_command(args) -> int:
     _quiet_loading()
     result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
                     push_to_hub=args.push_to_hub, private=args.private, gguf=args.gguf, license=args.license)
-    what = "merged model" if result.merged else "adapter"
     check = ("logits identical to the trained model's" if result.tolerance == 0 else
              f"logits within {result.max_difference:.2g} of the largest (allowed {result.tolerance:g})")
-    print(f"exported the {what} to {result.folder} (checked: {check})")
+    print(f"exported the {result.what} to {result.folder} (checked: {check})")
     if result.gguf:
         print(f"gguf: {result.gguf}")
     if result.url:

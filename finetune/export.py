@@ -39,7 +39,7 @@ TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
 @dataclass
 class Export:
     folder: Path
-    merged: bool
+    what: str  # adapter | merged model | model (fine-tuned in full)
     max_difference: float  # of the reloaded export's logits from the model's, relative to the largest logit
     tolerance: float
     gguf: Path | None = None
@@ -140,7 +140,8 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
             f"export check failed: the reloaded export's logits differ from the model's by {difference:.3g} of the "
             f"largest logit (allowed: {tolerance:g}); nothing was written"
         )
-    return Export(staging, merged, difference, tolerance)
+    what = "merged model" if merged and source.is_adapter else "model" if merged else "adapter"
+    return Export(staging, what, difference, tolerance)
 
 
 def _renderer(tokenizer, source: trained.TrainedFolder, renderer_class):

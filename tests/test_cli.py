@@ -7,7 +7,8 @@ import pytest
 from tests.conftest import run_cli, write_recipe
 
 
-@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["validate", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["validate", "--help"], ["chat", "--help"],
+                                  ["export", "--help"]])
 def test_help(args):
     result = run_cli(*args)
     assert result.returncode == 0 and "usage: finetune" in result.stdout and not result.stderr
@@ -74,3 +75,10 @@ def test_unknown_accelerate_config(tmp_path):
     result = run_cli("train", "quickstart", "--accelerate-config", "ddp_9gpu", f"output_dir={tmp_path / 'run'}")
     assert result.returncode == 2 and "accelerate config 'ddp_9gpu' not found" in result.stderr
     assert "cpu_ddp_2proc, ddp_8gpu, ddp_8xa10, ddp_8xh100, deepspeed_zero3_8gpu" in result.stderr
+
+
+def test_options_and_overrides_go_where_they_belong(tmp_path):
+    result = run_cli("chat", str(tmp_path), "lora.r=8")
+    assert result.returncode == 2 and "unrecognized arguments: lora.r=8" in result.stderr
+    result = run_cli("export", str(tmp_path), "--out", str(tmp_path / "out"), "--private")
+    assert result.returncode == 2 and "--private applies to --push-to-hub" in result.stderr

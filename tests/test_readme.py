@@ -79,6 +79,13 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(tmp_path):
     answers = generate(run_dir / "final", ["My name is Zorbel.", "Shout plimbo.", "Repeat zendu twice."])
     assert answers == ["Nice to meet you, Zorbel!", "PLIMBO!", "zendu zendu"]
 
+    chat = run(next(c for c in commands() if c.startswith("finetune chat")), tmp_path)
+    assert chat.returncode == 0 and chat.stdout == "Nice to meet you, Zorbel!\n", chat.stderr[-3000:]
+    export = run(next(c for c in commands() if c.startswith("finetune export")), tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert "exported the model to exports/quickstart (checked: logits within" in export.stdout
+    assert generate(tmp_path / "exports" / "quickstart", ["Shout plimbo."]) == ["PLIMBO!"]  # in bf16
+
 
 def generate(folder: Path, prompts: list[str]) -> list[str]:
     """Greedy answers from the saved model with plain transformers, using the chat template saved with it."""
