@@ -11,6 +11,7 @@ reasoning (analysis channel) and the answer.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import re
 import threading
@@ -53,7 +54,8 @@ class Reply:
 class Chat:
     """A trained model, loaded once, that answers conversations (lists of {role, content[, thinking]})."""
 
-    def __init__(self, path, base_model: str | None = None):
+    def __init__(self, path, base_model: str | None = None, base: bool = False):
+        """`base`: chat with the model the run started from, through the same template (for comparisons)."""
         from finetune import trained
         from finetune.data.render import Renderer
 
@@ -64,7 +66,8 @@ class Chat:
                                  template_kwargs=data.template_kwargs)
         self.harmony = "<|channel|>" in self.tokenizer.get_vocab()
         self.end_ids = end_token_ids(self.tokenizer, self.renderer)
-        self.model = trained.load_model(self.folder, base_model)
+        self.model = trained.load_original(self.folder, base_model) if base else trained.load_model(self.folder,
+                                                                                                     base_model)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         from finetune.data.formats import BadRow
@@ -197,12 +200,12 @@ class ChatWorker:
 
     `stream` works as Chat.stream; a failure to load becomes a UserError with the worker's message."""
 
-    def __init__(self, path, base_model: str | None = None):
+    def __init__(self, path, base_model: str | None = None, base: bool = False):
         context = multiprocessing.get_context("spawn")
         self._requests = context.Queue()
         self._answers = context.Queue()
-        self._process = context.Process(target=_serve, args=(str(path), base_model, self._requests, self._answers),
-                                        daemon=True)
+        self._process = context.Process(target=_serve, daemon=True,
+                                        args=(str(path), base_model, base, self._requests, self._answers))
         self._process.start()
         try:
             self._receive()
@@ -251,17 +254,26 @@ class ChatWorker:
         self.close()
 
 
-def _serve(path: str, base_model: str | None, requests, answers) -> None:
+def _serve(path: str, base_model: str | None, base: bool, requests, answers) -> None:
     def failed(error: BaseException) -> tuple[str, str]:
         return ("error", str(error)) if isinstance(error, UserError) else ("failure", f"{type(error).__name__}: {error}")
 
     try:
-        chat = Chat(path, base_model)
+        chat = Chat(path, base_model, base)
     except Exception as error:
         answers.put(failed(error))
         return
     answers.put(("ready", None))
-    while (request := requests.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            request = requests.get(timeout=2)
+        except queue.Empty:
+            if os.getppid() != parent:  # the process that started this one died without closing it
+                return
+            continue
+        if request is None:
+            return
         try:
             for item in chat.stream(*request):
                 answers.put(("item", item))

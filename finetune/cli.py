@@ -97,7 +97,43 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--gguf", action="store_true", help="also write a GGUF of the merged model (llama.cpp)")
     export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
     export.set_defaults(command=export_command)
+    ui = commands.add_parser(
+        "ui", help="start the web panel (launch runs, watch them, chat, export)",
+        description="Start the Gradio panel on http://127.0.0.1:PORT. Runs it launches keep going when it closes.",
+    )
+    ui.add_argument("--workspace", default=".", help="the folder for recipes/, runs/ and exports/ (default: here)")
+    ui.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--share", action="store_true", help="also open a public Gradio share link (needs --auth)")
+    ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed beyond 127.0.0.1)")
+    ui.set_defaults(command=ui_command)
     return parser
+
+
+def ui_command(args) -> int:
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if (args.share or not loopback) and not args.auth:
+        where = "--share" if args.share else f"--host {args.host}"
+        raise UserError(f"{where} makes the panel reachable from other machines, and it can start processes: "
+                        "add --auth USER:PASSWORD, or keep the default host 127.0.0.1")
+    auth = None
+    if args.auth:
+        user, sep, password = args.auth.partition(":")
+        if not sep or not user or not password:
+            raise UserError("--auth: write it USER:PASSWORD")
+        auth = (user, password)
+    try:
+        from ui.app import CSS, build_app
+    except ImportError as error:
+        raise UserError(f"the panel needs its extra ({error.name} is missing): pip install -e \".[ui]\"") from None
+    from ui.workspace import Workspace
+
+    workspace = Workspace(args.workspace)
+    workspace.create()
+    print(f"finetune panel: workspace {workspace.root}", flush=True)
+    build_app(workspace).queue().launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+                                        css=CSS, footer_links=[])
+    return 0
 
 
 def chat_command(args) -> int:

@@ -147,6 +147,7 @@ class ProgressCallback(TrainerCallback):
                 tokens_per_second=round((tokens - self.last_tokens) / max(now - self.last_time, 1e-9), 1),
                 tokens=tokens,
                 trained_tokens=int(logs.get("trained_tokens", 0)),
+                total_steps=state.max_steps,
             )
             self.last_time, self.last_tokens = now, tokens
         row.update({key: logs[key] for key in EVAL_KEYS if key in logs})

@@ -85,6 +85,11 @@ def load_model(folder: TrainedFolder, base_model: str | None = None, dtype: str 
     return model.eval()
 
 
+def load_original(folder: TrainedFolder, base_model: str | None = None):
+    """The model the run started from (the recipe's model, loaded as for training), in eval mode."""
+    return load_base(dataclasses.replace(folder, is_adapter=True), base_model)
+
+
 def load_base(folder: TrainedFolder, base_model: str | None = None, dtype: str | None = None):
     """An adapter's base model loaded as in training (or unquantized in `dtype`); for a full model, the model."""
     from finetune.model import load_hf_model, training_precision

@@ -1,0 +1,204 @@
+"""The web panel: built without side effects, refused where it would be exposed, driven end to end through
+gradio_client and through a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+gradio_client = pytest.importorskip("gradio_client", reason="the panel's extra is not installed: pip install -e '.[ui]'")
+pytestmark = pytest.mark.integration
+FIELDS = ["builtin:tiny-llama", "builtin:greetings", "0.001", "8", "", "256"]  # model, data, lr, epochs, r, length
+LONG_RUN = "train.max_steps=2000\ntrain.eval_on_start=false\ntrain.logging_steps=2\ntrain.save_strategy=no"
+ARTIFACTS = Path(os.environ.get("FINETUNE_TEST_ARTIFACTS", REPO / "test-artifacts"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Panel:
+    """`finetune ui` in its own process, as a user starts it."""
+
+    def __init__(self, workspace: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "finetune", "ui", "--workspace", str(workspace), "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the panel did not start"
+                time.sleep(0.5)
+        self.client = gradio_client.Client(self.url, verbose=False)
+
+    def close(self, sig: int = signal.SIGTERM) -> None:
+        os.killpg(self.process.pid, sig)
+        self.process.wait(timeout=30)
+
+
+def wait_for(condition, timeout: float = 300, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(every)
+    return result
+
+
+def group_gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_importing_and_building_the_app_has_no_side_effects(tmp_path):
+    script = (
+        "import sys\n"
+        "import ui\n"
+        "assert 'gradio' not in sys.modules and 'torch' not in sys.modules\n"
+        "from ui.app import build_app\n"
+        "from ui.workspace import Workspace\n"
+        f"build_app(Workspace({str(tmp_path / 'ws')!r}))\n"
+        "heavy = [name for name in ('torch', 'transformers', 'trl', 'peft', 'unsloth') if name in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("args, refused", [(["--host", "0.0.0.0"], "--host 0.0.0.0"), (["--share"], "--share")])
+def test_exposed_panel_needs_auth(tmp_path, args, refused):
+    result = run_cli("ui", "--workspace", str(tmp_path), *args)
+    assert result.returncode == 2 and f"{refused} makes the panel reachable" in result.stderr
+    assert "--auth USER:PASSWORD" in result.stderr and not any(tmp_path.iterdir())
+
+
+def test_workspace_accepts_names_not_paths(tmp_path):
+    from ui.workspace import PanelError, Workspace
+
+    workspace = Workspace(tmp_path)
+    for call in (lambda: workspace.run_folder("../outside"), lambda: workspace.recipe_path("../../etc/passwd"),
+                 lambda: workspace.recipe_path("recipes/../x"), lambda: workspace.model_folder("r", "../../x"),
+                 lambda: workspace.save_recipe("/etc/evil name.yaml", "model: {}")):
+        with pytest.raises(PanelError):
+            call()
+    assert workspace.save_recipe("mine.yaml", "model: {name_or_path: builtin:tiny-llama}") == "recipes/mine"
+    assert "recipes/mine" in workspace.recipe_names() and "quickstart" in workspace.recipe_names()
+    command = workspace.command("recipes/mine", ["lora.r=4"], "r1", "cpu_ddp_2proc")
+    assert command[1:4] == ["-m", "finetune", "train"] and command[-2:] == ["--accelerate-config", "cpu_ddp_2proc"]
+
+
+def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
+    workspace = tmp_path / "ws"
+    panel = Panel(workspace)
+    try:
+        api = panel.client
+        bad = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS[:2], "fast", *FIELDS[3:], "",
+                          api_name="/validate")
+        assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
+        ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
+        assert ok[1] == "✅ The recipe and its data are valid." and "builtin:greetings" in ok[0]
+        launched = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN,
+                               api_name="/launch")
+        assert "Launched **r1**" in launched[1]
+        pid = json.loads((workspace / ".launches" / "r1.json").read_text())["pid"]
+
+        # The panel goes away; the run does not; a new panel finds it and sees it progress.
+        panel.close(signal.SIGKILL)
+        assert not group_gone(pid)
+        panel = Panel(workspace)
+        api = panel.client
+        first = wait_for(lambda: (s := api.predict("r1", api_name="/progress"))[1]["data"] and s)
+        status, loss = first[0], first[1]
+        assert "running" in status and "tokens/s" in status and "ETA" in status
+        assert loss["columns"][:2] == ["step", "loss"] and loss["data"][0][1] > 0
+        wait_for(lambda: len(api.predict("r1", api_name="/progress")[1]["data"]) >= 2)
+        table = api.predict(None, api_name="/runs")[0]
+        assert table["data"][0][:2] == ["r1", "running"]
+
+        stopped = api.predict("r1", api_name="/stop")
+        assert "r1 · stopped" in stopped and "Stop: stopped." in stopped
+        assert group_gone(pid)  # no process of the run is left
+        rows = (workspace / "runs" / "r1" / "progress.jsonl").read_text().splitlines()
+        assert '"status": "stopped"' in rows[-1]
+
+        tuned, base, _, notice = api.predict("My name is Bob.", "r1", "final", "", 1.0, 24, True, [], [],
+                                             api_name="/chat")
+        assert notice == ""
+        for history in (tuned, base):
+            assert [m["role"] for m in history] == ["user", "assistant"]
+            assert history[1]["content"][0]["text"].strip()
+    finally:
+        panel.close()
+
+
+def chromium() -> str:
+    pytest.importorskip("playwright", reason="playwright is not installed (pip install -e '.[test]')")
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does it)")
+    return path
+
+
+def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    browser_path = chromium()
+    workspace = tmp_path / "ws"
+    panel = Panel(workspace)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as playwright:
+            context = playwright.chromium.launch_persistent_context(
+                tempfile.mkdtemp(dir=tmp_path), executable_path=browser_path, headless=True,
+                viewport={"width": 1400, "height": 1000},
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update"])
+            page = context.new_page()
+            page.goto(panel.url)
+            page.get_by_label("Run name").fill("browser-run")
+            page.get_by_label("More settings (key=value, one per line)").fill(LONG_RUN)
+            page.get_by_role("button", name="Launch").click()
+            page.get_by_text("Launched browser-run").wait_for(timeout=120_000)
+            page.screenshot(path=ARTIFACTS / "panel-train.png", full_page=True)
+            page.get_by_role("tab", name="Live").click()
+            page.get_by_text("browser-run · running").wait_for(timeout=180_000)
+            wait_for(lambda: len(list((workspace / "runs" / "browser-run").glob("progress.jsonl"))) and
+                     (workspace / "runs" / "browser-run" / "progress.jsonl").read_text().count("\n") >= 3)
+            page.wait_for_timeout(4000)  # two refreshes of the plot
+            plot = page.locator(".vega-embed").first
+            plot.wait_for(timeout=60_000)
+            assert plot.locator("path, canvas").count() > 0
+            page.screenshot(path=ARTIFACTS / "panel-live.png", full_page=True)
+            page.get_by_role("button", name="Stop").click()
+            page.get_by_text("browser-run · stopped").wait_for(timeout=180_000)
+            page.get_by_role("tab", name="Runs").click()
+            page.wait_for_timeout(2500)
+            page.screenshot(path=ARTIFACTS / "panel-runs.png", full_page=True)
+            context.close()
+    finally:
+        panel.close()
+    assert (ARTIFACTS / "panel-live.png").stat().st_size > 10_000

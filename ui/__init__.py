@@ -1,0 +1,4 @@
+"""The finetune panel (`finetune ui`): a Gradio app in ui/app.py over the workspace in ui/workspace.py.
+
+Importing this package builds nothing and imports neither gradio nor torch.
+"""
