@@ -130,3 +130,34 @@ def test_gpu_check_dry_run_command(tmp_path):
         assert runs[f"llama-3.2-3b {way}"]["tokens_per_second"] > 0
         assert runs[f"llama-3.2-3b {way}"]["peak_memory_gb"] > 0
     assert "llama-3.2-3b hf-qlora" in result.stdout and "tokens/s" in result.stdout
+
+
+@pytest.mark.integration
+def test_panel_command_serves_the_page(tmp_path):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("gradio", reason="the panel's extra is not installed: pip install -e '.[ui]'")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = shlex.split(next(c for c in commands() if c.startswith("finetune ui")))
+    panel = subprocess.Popen([FINETUNE, *argv[1:], "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert panel.poll() is None, panel.stdout.read()
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert "finetune" in page
+        assert {"recipes", "runs", "exports", ".launches"} <= {p.name for p in tmp_path.iterdir()}
+    finally:
+        os.killpg(panel.pid, signal.SIGTERM)
+        panel.wait(timeout=30)

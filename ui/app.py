@@ -56,9 +56,10 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 stop_button = gr.Button("Stop", variant="stop", scale=1)
             live_status = gr.Markdown(elem_classes="status-card")
             with gr.Row():
-                loss_plot = gr.LinePlot(x="step", y="loss", title="Loss", y_title="loss", height=260, y_axis_format=".3f")
-                lr_plot = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", y_title="learning rate", height=260,
-                                      y_axis_format=".1e")
+                loss_plot = gr.LinePlot(x="step", y="loss", title="Loss", y_title="loss", y_axis_format=".3f",
+                                        height=260)
+                lr_plot = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", y_title="learning rate",
+                                      y_axis_format=".1e", height=260)
             log_tail = gr.Code(label="Log", language="shell", interactive=False, lines=12)
 
         with gr.Tab("Runs"):
