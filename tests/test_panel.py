@@ -121,8 +121,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
         ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
         assert ok[1] == "✅ The recipe and its data are valid." and "builtin:greetings" in ok[0]
-        launched = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN,
-                               api_name="/launch")
+        launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
         pid = json.loads((workspace / ".launches" / "r1.json").read_text())["pid"]
 
@@ -141,7 +140,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
 
         stopped = api.predict("r1", api_name="/stop")
         assert "r1 · stopped" in stopped and "Stop: stopped." in stopped
-        assert group_gone(pid)  # no process of the run is left
+        assert group_gone(pid)  # no process of the run is left: not the launcher, not either DDP rank
         rows = (workspace / "runs" / "r1" / "progress.jsonl").read_text().splitlines()
         assert '"status": "stopped"' in rows[-1]
 
@@ -151,8 +150,28 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         for history in (tuned, base):
             assert [m["role"] for m in history] == ["user", "assistant"]
             assert history[1]["content"][0]["text"].strip()
+
+        exported, token_line = api.predict("r1", "final", "r1-bf16", False, "bf16", "", True, api_name="/export")
+        assert "exported the model to" in exported and "checked: logits within" in exported
+        assert (workspace / "exports" / "r1-bf16" / "model.safetensors").is_file()
+        assert token_line.startswith("Hub token:")
+        refused, _ = api.predict("r1", "final", "../outside", False, "bf16", "", True, api_name="/export")
+        assert "export name '../outside'" in refused and not (workspace / "outside").exists()
     finally:
         panel.close()
+
+
+def test_stop_forces_a_run_that_ignores_sigterm(tmp_path):
+    from ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(600)"
+    pid = workspace.launch([sys.executable, "-c", stubborn], "stubborn")
+    wait_for(lambda: "up" in (tmp_path / ".launches" / "stubborn.log").read_text(), timeout=30, every=0.2)
+    assert workspace.run("stubborn").status == "starting"
+    assert workspace.stop("stubborn", grace_s=1) == "killed"
+    assert group_gone(pid) and workspace.run("stubborn").status == "failed"
 
 
 def chromium() -> str:
