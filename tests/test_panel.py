@@ -120,7 +120,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
                           api_name="/validate")
         assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
         ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
-        assert ok[1] == "✅ The recipe and its data are valid." and "builtin:greetings" in ok[0]
+        assert ok[1] == "✓ The recipe and its data are valid." and "builtin:greetings" in ok[0]
         launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
         pid = json.loads((workspace / ".launches" / "r1.json").read_text())["pid"]

@@ -34,7 +34,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
         with gr.Tab("Train"):
             with gr.Row():
                 recipe = gr.Dropdown(workspace.recipe_names(), label="Recipe", value="quickstart", scale=2)
-                upload = gr.File(label="…or upload a recipe (YAML)", file_types=[".yaml", ".yml"], scale=1, height=90)
+                upload = gr.UploadButton("Upload a recipe (YAML)", file_types=[".yaml", ".yml"], scale=1)
                 launcher = gr.Dropdown([ONE_PROCESS, *workspace.accelerate_config_names()], value=ONE_PROCESS,
                                        label="Launch with", scale=1)
             with gr.Row():
@@ -45,10 +45,11 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             with gr.Row():
                 validate_button = gr.Button("Validate")
                 launch_button = gr.Button("Launch", variant="primary")
-            command_view = gr.Code(label="Command", language="shell", interactive=False, lines=2)
             train_message = gr.Markdown()
             field_errors = gr.Markdown(elem_classes="field-error")
-            validation = gr.Code(label="Validation", language="yaml", interactive=False, lines=12)
+            command_view = gr.Code(label="Command", language="shell", interactive=False, lines=3, max_lines=12)
+            with gr.Accordion("Validation report", open=False) as report:
+                validation = gr.Code(label="Validation", language="yaml", interactive=False, lines=8, max_lines=30)
 
         with gr.Tab("Live"):
             with gr.Row():
@@ -103,7 +104,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             try:
                 values = workspace.recipe_fields(name)
             except PanelError as error:
-                return [gr.update()] * len(FIELDS) + [f"⚠️ {error}"]
+                return [gr.update()] * len(FIELDS) + [f"⚠ {error}"]
             return [gr.update(value="" if values[label] is None else str(values[label])) for label in FIELDS] + [""]
 
         def overrides_of(*values):
@@ -122,28 +123,28 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 command = workspace.command(recipe_name, overrides_of(*values), name, _accelerate(launch_with))
             except PanelError as error:
                 return f"# {error}"
-            return shlex.join(["finetune", *command[3:]])
+            return _shell_lines(["finetune", *command[3:]])
 
         def validate(recipe_name, launch_with, name, *values):
             try:
                 ok, text = workspace.validate(recipe_name, overrides_of(*values), name)
             except PanelError as error:
-                return "", f"⚠️ {error}", ""
+                return "", f"⚠ {error}", "", gr.update()
             if ok:
-                return text, "✅ The recipe and its data are valid.", ""
-            return text, f"⚠️ {text.removeprefix('error: ')}", _field_error(text)
+                return text, "✓ The recipe and its data are valid.", "", gr.update(open=True)
+            return text, f"⚠ {text.removeprefix('error: ')}", _field_error(text), gr.update(open=False)
 
         def launch(recipe_name, launch_with, name, *values):
             try:
                 overrides = overrides_of(*values)
                 ok, text = workspace.validate(recipe_name, overrides, name)
                 if not ok:
-                    return (text, f"⚠️ Not launched: {text.removeprefix('error: ')}", _field_error(text),
+                    return (text, f"⚠ Not launched: {text.removeprefix('error: ')}", _field_error(text),
                             gr.update())
                 workspace.launch(workspace.command(recipe_name, overrides, name, _accelerate(launch_with)), name)
             except PanelError as error:
-                return "", f"⚠️ {error}", "", gr.update()
-            return (text, f"🚀 Launched **{name}**: follow it in the Live tab.", "",
+                return "", f"⚠ {error}", "", gr.update()
+            return (text, f"✓ Launched **{name}**: follow it in the Live tab.", "",
                     gr.update(choices=_run_names(workspace), value=name))
 
         def uploaded(file):
@@ -153,7 +154,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 with open(file, encoding="utf-8") as handle:
                     name = workspace.save_recipe(file.rsplit("/", 1)[-1], handle.read())
             except (PanelError, UnicodeDecodeError) as error:
-                return gr.update(), f"⚠️ {error}"
+                return gr.update(), f"⚠ {error}"
             return gr.update(choices=workspace.recipe_names(), value=name), f"Saved as `{name}`; validate it next."
 
         train_inputs = [recipe, launcher, run_name, *fields.values(), extra]
@@ -161,7 +162,8 @@ def build_app(workspace: Workspace) -> gr.Blocks:
         upload.upload(uploaded, upload, [recipe, train_message])
         for component in train_inputs:
             component.change(preview, train_inputs, command_view, show_progress="hidden")
-        validate_button.click(validate, train_inputs, [validation, train_message, field_errors], api_name="validate")
+        validate_button.click(validate, train_inputs, [validation, train_message, field_errors, report],
+                              api_name="validate")
         launch_button.click(launch, train_inputs, [validation, train_message, field_errors, live_run],
                             api_name="launch")
         app.load(fill_fields, recipe, [*fields.values(), train_message])
@@ -174,7 +176,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             try:
                 info = workspace.run(name)
             except PanelError as error:
-                return f"⚠️ {error}", None, None, ""
+                return f"⚠ {error}", None, None, ""
             # float columns even while empty: a plot's first frame fixes its axes' types
             frame = pd.DataFrame(info.train_rows, columns=["step", "loss", "learning_rate"]).astype(float)
             return _status_card(info), frame, frame, workspace.console_tail(name)
@@ -185,7 +187,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             try:
                 how = workspace.stop(name)
             except PanelError as error:
-                return f"⚠️ {error}"
+                return f"⚠ {error}"
             return _status_card(workspace.run(name)) + f"\n\nStop: {how}."
 
         live_outputs = [live_status, loss_plot, lr_plot, log_tail]
@@ -252,7 +254,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             try:
                 folder = workspace.model_folder(run, checkpoint)
             except PanelError as error:
-                yield tuned_history, base_history, text, f"⚠️ {error}"
+                yield tuned_history, base_history, text, f"⚠ {error}"
                 return
             sampling = Sampling(max_new_tokens=int(max_tokens), temperature=float(temp))
             histories = {False: list(tuned_history or []), True: list(base_history or [])}
@@ -273,7 +275,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                             target["content"] += item.text
                             yield histories[False], histories[True], "", ""
                 except (UserError, RuntimeError) as error:
-                    yield histories[False], histories[True], "", f"⚠️ {error}"
+                    yield histories[False], histories[True], "", f"⚠ {error}"
                     return
                 if answer not in history:
                     history.append(answer)
@@ -300,6 +302,16 @@ def build_app(workspace: Workspace) -> gr.Blocks:
     return app
 
 
+def _shell_lines(command: list[str]) -> str:
+    """The command as a shell line per setting: `finetune train RECIPE`, then each override and option."""
+    lines, rest = [shlex.join(command[:3])], command[3:]
+    while rest:
+        take = 2 if rest[0].startswith("--") and len(rest) > 1 else 1
+        lines.append(shlex.join(rest[:take]))
+        rest = rest[take:]
+    return " \\\n    ".join(lines)
+
+
 def _accelerate(choice: str) -> str | None:
     return None if choice == ONE_PROCESS else choice
 
@@ -318,7 +330,7 @@ def _field_error(message: str) -> str:
     """The field a validation message is about, when it names one of the Train tab's keys."""
     for label, key in FIELDS.items():
         if key in message:
-            return f"⚠️ **{label}** (`{key}`): {message.removeprefix('error: ')}"
+            return f"⚠ **{label}** (`{key}`): {message.removeprefix('error: ')}"
     return ""
 
 
