@@ -191,7 +191,8 @@ def export_command(args) -> int:
     result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
                     push_to_hub=args.push_to_hub, private=args.private, gguf=args.gguf, license=args.license)
     check = ("logits identical to the trained model's" if result.tolerance == 0 else
-             f"logits within {result.max_difference:.2g} of the largest (allowed {result.tolerance:g})")
+             f"logits within {result.tolerance:g} of the largest at {result.positions_within} of "
+             f"{result.positions} positions, largest difference {result.max_difference:.2g}")
     print(f"exported the {result.what} to {result.folder} (checked: {check})")
     if result.gguf:
         print(f"gguf: {result.gguf}")

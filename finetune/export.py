@@ -32,8 +32,11 @@ GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
 CHECK_CONVERSATION = [{"role": "user", "content": "Write one sentence about the sea, then count to five."}]
 # Relative to the largest reference logit. bfloat16 keeps 8 bits of mantissa (relative step 2^-8 = 0.0039) and
 # float16 11; a merged or cast model rounds every weight once, and the rounding errors of a few layers add up to a
-# few steps. A wrong merge (a missing or doubled adapter, a wrong scale) is off by far more.
+# few steps. A wrong merge (a missing or doubled adapter, a wrong scale) is off by far more, at every position.
+# A mixture-of-experts router can pick another expert at a near tie once its inputs are rounded, which moves that
+# one position's logits a lot; so a 16-bit export passes when nearly every position is within the tolerance.
 TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
+POSITIONS_WITHIN = 0.95
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Export:
     what: str  # adapter | merged model | model (fine-tuned in full)
     max_difference: float  # of the reloaded export's logits from the model's, relative to the largest logit
     tolerance: float
+    positions_within: int  # prompt positions whose logits are within the tolerance
+    positions: int
     gguf: Path | None = None
     url: str | None = None
 
@@ -133,15 +138,18 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
         from peft import PeftModel
 
         reloaded = PeftModel.from_pretrained(trained.load_base(source, base_model), staging)
-    difference = _relative_difference(reference, _logits(reloaded.eval(), prompt))
+    differences = _relative_differences(reference, _logits(reloaded.eval(), prompt))
     tolerance = TOLERANCE[dtype] if merged else 0.0
-    if not difference <= tolerance:
+    within = sum(difference <= tolerance for difference in differences)
+    needed = len(differences) if tolerance == 0 else POSITIONS_WITHIN * len(differences)
+    if within < needed:
         raise CommandFailed(
-            f"export check failed: the reloaded export's logits differ from the model's by {difference:.3g} of the "
-            f"largest logit (allowed: {tolerance:g}); nothing was written"
+            f"export check failed: the reloaded export's logits differ from the model's by up to "
+            f"{max(differences):.3g} of the largest logit, within {tolerance:g} at only {within} of "
+            f"{len(differences)} positions; nothing was written"
         )
     what = "merged model" if merged and source.is_adapter else "model" if merged else "adapter"
-    return Export(staging, what, difference, tolerance)
+    return Export(staging, what, max(differences), tolerance, within, len(differences))
 
 
 def _renderer(tokenizer, source: trained.TrainedFolder, renderer_class):
@@ -158,8 +166,9 @@ def _logits(model, prompt: list[int]):
         return model(input_ids=ids).logits[0].float().cpu()
 
 
-def _relative_difference(reference, other) -> float:
-    return ((reference - other).abs().max() / reference.abs().max()).item()
+def _relative_differences(reference, other) -> list[float]:
+    """Per prompt position: the largest logit difference, relative to the largest reference logit."""
+    return ((reference - other).abs().max(dim=-1).values / reference.abs().max()).tolist()
 
 
 def _point_adapter_at_base(staging: Path, source: trained.TrainedFolder) -> None:

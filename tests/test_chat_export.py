@@ -162,7 +162,7 @@ def test_qlora_adapter_merges_into_a_16_bit_base(trained, tmp_path):
     out = tmp_path / "merged"
     result = run_cli("export", str(run / "final"), "--out", str(out), "--merge")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "exported the merged model" in result.stdout and "allowed 0.05" in result.stdout
+    assert "exported the merged model" in result.stdout and "logits within 0.05 of the largest" in result.stdout
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     with safe_open(out / "model.safetensors", "pt") as weights:
@@ -187,6 +187,14 @@ def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_t
     assert "PeftModel.from_pretrained(base" in card and "name_or_path:" in card  # how to load; the recipe
     assert "7.mlp.experts" not in card  # this recipe adapts no experts
     assert (out / "chat_template.jinja").read_text() == (run / "final" / "chat_template.jinja").read_text()
+
+
+def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path):
+    """Rounding to bf16 can flip the router's choice at a near tie and move one position's logits far; the check
+    tolerates a few such positions, not a broken export."""
+    result = run_cli("export", str(trained("gpt-oss", "full") / "final"), "--out", str(tmp_path / "bf16"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exported the model to" in result.stdout and "positions" in result.stdout
 
 
 def test_chat_stops_at_the_end_token_it_learned(trained):
