@@ -258,27 +258,32 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 return
             sampling = Sampling(max_new_tokens=int(max_tokens), temperature=float(temp))
             histories = {False: list(tuned_history or []), True: list(base_history or [])}
-            for base in ([False, True] if both else [False]):
-                history = histories[base]
-                conversation = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-                    {"role": m["role"], "content": _text(m["content"])} for m in history
-                    if not m.get("metadata")] + [{"role": "user", "content": text}]
-                history.append({"role": "user", "content": text})
-                thinking = {"role": "assistant", "content": "", "metadata": {"title": "Reasoning", "status": "done"}}
-                answer = {"role": "assistant", "content": ""}
+            models = [False, True] if both else [False]
+            conversations = {}
+            for base in models:  # the question shows in every chat at once; answers follow one model at a time
+                earlier = [{"role": m["role"], "content": _text(m["content"])} for m in histories[base]
+                           if not m.get("metadata")]  # reasoning bubbles are display only
+                system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
+                conversations[base] = [*system_turn, *earlier, {"role": "user", "content": text}]
+                histories[base].append({"role": "user", "content": text})
+            yield histories[False], histories[True], "", ""
+            for base in models:
+                shown = {}  # kind -> the bubble it streams into
                 try:
-                    for item in worker(folder, base).stream(conversation, sampling):
+                    for item in worker(folder, base).stream(conversations[base], sampling):
                         if isinstance(item, Piece):
-                            target = thinking if item.kind == "thinking" else answer
-                            if target not in history:
-                                history.append(target)
-                            target["content"] += item.text
+                            if item.kind not in shown:
+                                shown[item.kind] = {"role": "assistant", "content": ""}
+                                if item.kind == "thinking":
+                                    shown[item.kind]["metadata"] = {"title": "Reasoning", "status": "done"}
+                                histories[base].append(shown[item.kind])
+                            shown[item.kind]["content"] += item.text
                             yield histories[False], histories[True], "", ""
                 except (UserError, RuntimeError) as error:
                     yield histories[False], histories[True], "", f"⚠ {error}"
                     return
-                if answer not in history:
-                    history.append(answer)
+                if "answer" not in shown:
+                    histories[base].append({"role": "assistant", "content": ""})
             yield histories[False], histories[True], "", ""
 
         message.submit(send, [message, chat_run, chat_checkpoint, system, temperature, max_new_tokens, side_by_side,
