@@ -66,8 +66,8 @@ class Chat:
                                  template_kwargs=data.template_kwargs)
         self.harmony = "<|channel|>" in self.tokenizer.get_vocab()
         self.end_ids = end_token_ids(self.tokenizer, self.renderer)
-        self.model = trained.load_original(self.folder, base_model) if base else trained.load_model(self.folder,
-                                                                                                     base_model)
+        load = trained.load_original if base else trained.load_model
+        self.model = load(self.folder, base_model)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         from finetune.data.formats import BadRow
