@@ -176,13 +176,7 @@ def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
         return model
     return FastLanguageModel.get_peft_model(
         model,
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        target_parameters=lora.target_parameters,
-        modules_to_save=lora.modules_to_save,
-        use_rslora=lora.use_rslora,
+        **_adapter_settings(lora),
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
         random_state=recipe.train["seed"],
     )
@@ -193,18 +187,14 @@ def lora_config(recipe):
         return None
     from peft import LoraConfig
 
-    lora = recipe.lora
-    return LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        target_parameters=lora.target_parameters,
-        modules_to_save=lora.modules_to_save,
-        use_rslora=lora.use_rslora,
-        use_dora=lora.use_dora,
-        task_type="CAUSAL_LM",
-    )
+    return LoraConfig(**_adapter_settings(recipe.lora), use_dora=recipe.lora.use_dora, task_type="CAUSAL_LM")
+
+
+def _adapter_settings(lora) -> dict:
+    """The recipe's lora section in PEFT's names (Unsloth's get_peft_model takes the same)."""
+    return dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                target_parameters=lora.target_parameters, modules_to_save=lora.modules_to_save,
+                use_rslora=lora.use_rslora)
 
 
 def _first_line(error: Exception) -> str:

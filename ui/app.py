@@ -15,7 +15,7 @@ import time
 import gradio as gr
 import pandas as pd
 
-from ui.workspace import FIELDS, PanelError, RunInfo, Workspace
+from ui.workspace import FIELDS, PanelError, RunInfo, Workspace, check_name
 
 ONE_PROCESS = "one process (finetune train)"
 CSS = """
@@ -293,7 +293,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
         def export(run, checkpoint, name, merged, weights, repo, is_private):
             try:
                 folder = workspace.model_folder(run, checkpoint)
-                out = workspace.exports / _check_export_name(name)
+                out = workspace.exports / check_name((name or "").strip(), "export name")
             except PanelError as error:
                 return f"# {error}", _token_line()
             command = [sys.executable, "-m", "finetune", "export", str(folder), "--out", str(out)]
@@ -323,12 +323,6 @@ def _accelerate(choice: str) -> str | None:
 
 def _run_names(workspace: Workspace) -> list[str]:
     return [info.name for info in workspace.runs_list()]
-
-
-def _check_export_name(name: str) -> str:
-    from ui.workspace import check_name
-
-    return check_name((name or "").strip(), "export name")
 
 
 def _field_error(message: str) -> str:

@@ -239,22 +239,18 @@ def read_progress(path: Path) -> list[dict]:
 
 
 def group_alive(group: int) -> bool:
+    _reap(group)  # a run this panel started and that has ended would otherwise linger as a zombie, "alive"
     try:
         os.killpg(group, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    _reap(group)
-    try:
-        os.killpg(group, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    return True
 
 
 def _reap(pid: int) -> None:
-    """Collect the exit status of a run this panel process started, so it does not linger as a zombie."""
+    """Collect the exit status of a run this panel process started; nothing for others."""
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
