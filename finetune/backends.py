@@ -54,3 +54,11 @@ def import_first(recipe_path: str, overrides: list[str]) -> None:
     """Import unsloth now if this training process will use it, before anything imports transformers."""
     if resolve(requested(recipe_path, overrides))[0] == "unsloth":
         import unsloth  # noqa: F401  (its import patches transformers, TRL and PEFT)
+
+
+def check_launch(backend: str, distributed_type: str) -> None:
+    """Unsloth trains one whole model per process (DDP); it does not run under FSDP or DeepSpeed."""
+    if backend == "unsloth" and distributed_type in ("FSDP", "DEEPSPEED"):
+        raise UserError(f"model.backend: unsloth keeps a whole model on each GPU (DDP) and does not run under "
+                        f"{distributed_type}; use a DDP launch config (ddp_8gpu, ddp_8xa10, ddp_8xh100), or "
+                        "model.backend=hf to shard the model")

@@ -56,17 +56,17 @@ class Chat:
 
     def __init__(self, path, base_model: str | None = None, base: bool = False):
         """`base`: chat with the model the run started from, through the same template (for comparisons)."""
-        from finetune import trained
+        from finetune import saved_model
         from finetune.data.render import Renderer
 
-        self.folder = trained.locate(path)
-        self.tokenizer = trained.load_tokenizer(self.folder)
+        self.folder = saved_model.locate(path)
+        self.tokenizer = saved_model.load_tokenizer(self.folder)
         data = self.folder.recipe.data
         self.renderer = Renderer(self.tokenizer, self.tokenizer.chat_template, data.template_date,
                                  template_kwargs=data.template_kwargs)
         self.harmony = "<|channel|>" in self.tokenizer.get_vocab()
         self.end_ids = end_token_ids(self.tokenizer, self.renderer)
-        load = trained.load_original if base else trained.load_model
+        load = saved_model.load_original if base else saved_model.load_model
         self.model = load(self.folder, base_model)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:

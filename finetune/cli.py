@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 
 from finetune.errors import UserError
@@ -26,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.command(args)
     except UserError as error:
-        if os.environ.get("RANK", "0") == "0":  # under DDP every process fails alike: say it once
+        rank = os.environ.get("RANK", "0")
+        if not error.every_process_alike:
+            print(f"error{'' if rank == '0' else f' (process {rank})'}: {error}", file=sys.stderr, flush=True)
+        elif rank == "0":  # under DDP every process fails alike: say it once
             print(f"error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C: the run folder says where it stopped
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train a recipe on this machine, or on several processes with --accelerate-config",
         "Train a recipe. Writes the run folder (output_dir): finetune.yaml, progress.jsonl, train.log, "
         "checkpoint-N/ and final/.",
+    )
+    train.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+        help="continue the run in output_dir from its newest complete checkpoint, or from CHECKPOINT (one of its "
+        "checkpoint-N folders): weights, optimizer, schedule, data position and random state as they were",
     )
     train.add_argument(
         "--accelerate-config",
@@ -213,7 +219,7 @@ def _dim(text: str) -> str:
 
 
 def validate_command(args) -> int:
-    recipe, report = _check(args.recipe, args.overrides)
+    recipe, report = _check(args.recipe, args.overrides, validating=True)
     from finetune.report import describe_data
 
     print(f"Recipe (resolved)\n{_indent(recipe.to_yaml())}")
@@ -223,45 +229,80 @@ def validate_command(args) -> int:
 
 
 def train_command(args) -> int:
+    resume = _resume(args)
     if not args.accelerate_config:
         from finetune import backends
 
         backends.import_first(args.recipe, args.overrides)
-        from finetune.run import run
+        from finetune.training_run import run
 
-        run(args.recipe, args.overrides)
+        run(args.recipe, args.overrides, resume)
         return 0
+    from finetune import launcher
     from finetune.resources import find_accelerate_config
 
     config = find_accelerate_config(args.accelerate_config)
-    _check(args.recipe, args.overrides)  # also leaves the prepared data in the cache for every process
+    recipe, _ = _check(args.recipe, args.overrides, resume, config)  # also leaves the data in the cache
+    resume_arguments = [] if not resume else ["--resume"] if resume is True else ["--resume", resume]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "-m", "finetune.train", args.recipe, *args.overrides]
+               "-m", "finetune.train", args.recipe, *args.overrides, *resume_arguments]
     print("launching:", " ".join(command[2:]), flush=True)
-    process = subprocess.Popen(command)
-    # A stop request (SIGTERM, or Ctrl-C, which the terminal also sends to the launcher) passes to the launcher,
-    # whose processes then stop at the end of a step with a checkpoint; this process waits for them.
-    signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signal.SIGTERM))
-    while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:
-            continue
+    return launcher.supervise(command, recipe.output_dir)
 
 
-def _check(recipe_path: str, overrides: list[str]):
-    """Everything `train` checks before loading weights: recipe, backend, output_dir, tokenizer, data."""
-    from finetune import backends
+def _resume(args) -> bool | str:
+    """--resume as given; `--resume key=value` is --resume followed by an override. Resuming from a checkpoint
+    folder means its run folder, unless output_dir is given too."""
+    resume = args.resume
+    if isinstance(resume, str) and "=" in resume and not os.path.exists(resume):
+        args.overrides.append(resume)
+        resume = True
+    if isinstance(resume, str) and not any(item.startswith("output_dir=") for item in args.overrides):
+        args.overrides.append(f"output_dir={os.path.dirname(os.path.normpath(resume))}")
+    return resume
+
+
+def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, accelerate_config=None,
+           validating: bool = False):
+    """Everything `train` checks before loading weights: recipe, backend, launch, output_dir, resume point,
+    tokenizer, data. Returns the recipe and the data report."""
+    from finetune import backends, resuming
     from finetune.config import load_recipe
     from finetune.data.pipeline import prepare
     from finetune.model import load_tokenizer
-    from finetune.run_folder import check_free
+    from finetune.run_folder import check_free, check_writable, read_rows
 
     recipe = load_recipe(recipe_path, overrides)
-    print(backends.resolve(recipe.model.backend)[1], flush=True)
-    check_free(recipe.output_dir)
+    backend, why = backends.resolve(recipe.model.backend)
+    print(why, flush=True)
+    launch = _launch_settings(accelerate_config)
+    backends.check_launch(backend, launch.get("distributed_type", "NO"))
+    if resume:
+        point = resuming.resume_point(recipe.output_dir, resume)
+        resuming.check_same_run(recipe.to_dict(), recipe.output_dir)
+        train = recipe.train
+        note = resuming.check_global_batch(point, train.get("per_device_train_batch_size", 8),
+                                           train.get("gradient_accumulation_steps", 1), launch.get("num_processes", 1))
+        if note:
+            print(f"note: {note}", flush=True)
+    elif validating and read_rows(recipe.output_dir):
+        print(f"note: output_dir {recipe.output_dir} holds a run already; `finetune train` continues it with "
+              "--resume, or needs another output_dir", flush=True)
+    else:
+        check_free(recipe.output_dir)
+    check_writable(recipe.output_dir)
     tokenizer = load_tokenizer(recipe)
     return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report
+
+
+def _launch_settings(accelerate_config) -> dict:
+    """What the accelerate config says about the processes it starts (num_processes, distributed_type)."""
+    if accelerate_config is None:
+        return {}
+    import yaml
+
+    settings = yaml.safe_load(open(accelerate_config, encoding="utf-8")) or {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def _indent(text: str) -> str:

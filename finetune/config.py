@@ -1,9 +1,9 @@
 """The recipe: one typed configuration tree loaded from YAML, with `key.sub=value` overrides.
 
-    model:    what to load (ModelConfig)
+    model:    what to load (ModelSection)
     method:   lora | qlora | full
-    lora:     the adapter (LoraConfig), for lora and qlora
-    data:     what to train on and how to render it (DataConfig)
+    lora:     the adapter (LoraSection), for lora and qlora
+    data:     what to train on and how to render it (DataSection)
     train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...), over the defaults below
     output_dir: the run folder
 
@@ -31,7 +31,7 @@ Method = Literal["lora", "qlora", "full"]
 
 
 @dataclass
-class ModelConfig:
+class ModelSection:
     name_or_path: str | None = field(
         default=None, metadata={"help": "Hugging Face model id, local folder, or builtin:tiny-llama."}
     )
@@ -52,7 +52,7 @@ class ModelConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraSection:
     r: int = field(default=16, metadata={"help": "Adapter rank."})
     alpha: int = field(default=32, metadata={"help": "Scaling numerator (scale = alpha / r)."})
     dropout: float = 0.0
@@ -71,7 +71,7 @@ class LoraConfig:
 
 
 @dataclass
-class DataConfig:
+class DataSection:
     train: str | list[str] | None = field(
         default=None, metadata={"help": "JSONL/JSON/Parquet/CSV file, folder of them, Hub dataset name, or a list."}
     )
@@ -134,16 +134,18 @@ NOT_USED = {
     "eos_token": "examples end with the tokenizer's own end-of-turn token",
     "padding_free": "packed rows are batched with next to no padding (FlashAttention: none); set train.packing",
     "packing_strategy": "packing keeps whole examples (best-fit decreasing); train.packing turns it on or off",
-    "resume_from_checkpoint": "resuming a run is not supported yet; start a new run in a new output_dir",
+    "resume_from_checkpoint": "continue a run with `finetune train RECIPE --resume [CHECKPOINT]`",
+    "logging_nan_inf_filter": "a non-finite loss stops the run, naming the step",
+    "ignore_data_skip": "a resumed run always continues the data order where it stopped",
 }
 
 
 @dataclass
 class Recipe:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
     method: Method = field(default="lora", metadata={"help": "lora, qlora (LoRA on a 4-bit base) or full."})
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    data: DataSection = field(default_factory=DataSection)
     train: dict[str, Any] = field(default_factory=dict, metadata={"help": "Fields of TRL's SFTConfig."})
     output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
 
@@ -163,7 +165,7 @@ class Recipe:
         return SFTConfig(output_dir=self.output_dir, **{**self.train, **runtime})
 
 
-SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig}
+SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection}
 
 
 def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -185,8 +187,9 @@ def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
 
 def recipe_from_dict(raw: dict[str, Any], where: str = "config") -> Recipe:
-    """Rebuild a saved, resolved recipe (e.g. a checkpoint's finetune.yaml) with the same checks."""
-    return _build(raw, where, {})
+    """Rebuild a saved, resolved recipe (e.g. a checkpoint's finetune.yaml) with the same checks, except those
+    about this machine's training set-up (a logging back-end that is not installed here does not matter)."""
+    return _build(raw, where, {}, for_training=False)
 
 
 def _parse_override(override: str) -> tuple[str, Any]:
@@ -215,7 +218,7 @@ def _set_dotted(raw: dict, key: str, value: Any, override: str) -> None:
     node[leaf] = value
 
 
-def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
+def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_training: bool = True) -> Recipe:
     def origin(key: str) -> str:
         """The override that set `key` (or a key inside it), else the recipe file."""
         if key in origins:
@@ -241,7 +244,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str]) -> Recipe:
     recipe = Recipe(**values)
     _check_required(recipe, where)
     _check_contradictions(recipe, raw, origin)
-    recipe.train = _resolve_train(recipe, origin)
+    recipe.train = _resolve_train(recipe, origin, for_training)
     return recipe
 
 
@@ -325,7 +328,7 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
         raise UserError(f"{origin('data.template_date')}: data.template_date must be a date as YYYY-MM-DD") from None
 
 
-def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
+def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]:
     """train.* over the toolkit defaults, each key checked against SFTConfig, then SFTConfig's own checks."""
     fields = _sft_fields()
     train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[recipe.method]}
@@ -336,7 +339,8 @@ def _resolve_train(recipe: Recipe, origin) -> dict[str, Any]:
         if key not in fields:
             raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig){_suggest('train.' + key)}")
         train[key] = coerce(value, fields[key], f"train.{key}", where)
-    _check_report_to(train.get("report_to"), origin("train.report_to"))
+    if for_training:
+        _check_report_to(train.get("report_to"), origin("train.report_to"))
     if train.get("max_length") is None or train["max_length"] <= 0:
         raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
     if train.get("bf16") and train.get("fp16"):

@@ -23,9 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import trained
+from finetune import saved_model
 from finetune.errors import CommandFailed, UserError
-from finetune.run_folder import CONFIG_NAME, PROGRESS_NAME, save_recipe
+from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
@@ -54,7 +54,7 @@ class Export:
 def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str | None = None,
            push_to_hub: str | None = None, private: bool = False, gguf: bool = False,
            license: str | None = None) -> Export:
-    source = trained.locate(path)
+    source = saved_model.locate(path)
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty; choose another folder")
@@ -91,7 +91,7 @@ def _umask() -> int:
     return mask
 
 
-def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool, dtype: str,
+def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool, dtype: str,
                      base_model: str | None) -> Export:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,17 +99,17 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
     from finetune.chat import end_token_ids
     from finetune.data.render import Renderer
 
-    tokenizer = trained.load_tokenizer(source)
+    tokenizer = saved_model.load_tokenizer(source)
     renderer = _renderer(tokenizer, source, Renderer)
     prompt = renderer.prompt_ids(CHECK_CONVERSATION) if tokenizer.chat_template else tokenizer(
         CHECK_CONVERSATION[0]["content"])["input_ids"]
 
     if merged and source.is_adapter:
-        model = trained.load_model(source, base_model, dtype=dtype)
+        model = saved_model.load_model(source, base_model, dtype=dtype)
         reference = _logits(model, prompt)  # the adapter on the 16-bit base, before merging
         model = model.merge_and_unload()
     else:
-        model = trained.load_model(source, base_model)
+        model = saved_model.load_model(source, base_model)
         reference = _logits(model, prompt)  # the model as trained (a full model as saved, before the cast)
         if merged:
             model = model.to(getattr(torch, dtype))
@@ -120,7 +120,7 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
     generation.pad_token_id = tokenizer.pad_token_id
     generation.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    save_recipe(source.recipe, staging)
+    (staging / CONFIG_NAME).write_text(source.recipe.to_yaml(), encoding="utf-8")
     if not merged:
         _point_adapter_at_base(staging, source)
     del model
@@ -137,7 +137,7 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
     else:
         from peft import PeftModel
 
-        reloaded = PeftModel.from_pretrained(trained.load_base(source, base_model), staging)
+        reloaded = PeftModel.from_pretrained(saved_model.load_base(source, base_model), staging)
     differences = _relative_differences(reference, _logits(reloaded.eval(), prompt))
     tolerance = TOLERANCE[dtype] if merged else 0.0
     within = sum(difference <= tolerance for difference in differences)
@@ -152,7 +152,7 @@ def _write_and_check(source: trained.TrainedFolder, staging: Path, merged: bool,
     return Export(staging, what, max(differences), tolerance, within, len(differences))
 
 
-def _renderer(tokenizer, source: trained.TrainedFolder, renderer_class):
+def _renderer(tokenizer, source: saved_model.SavedModel, renderer_class):
     data = source.recipe.data
     return renderer_class(tokenizer, tokenizer.chat_template, data.template_date,
                           template_kwargs=data.template_kwargs)
@@ -171,27 +171,24 @@ def _relative_differences(reference, other) -> list[float]:
     return ((reference - other).abs().max(dim=-1).values / reference.abs().max()).tolist()
 
 
-def _point_adapter_at_base(staging: Path, source: trained.TrainedFolder) -> None:
+def _point_adapter_at_base(staging: Path, source: saved_model.SavedModel) -> None:
     """The adapter names the recipe's base model (a Hub id people can load), not the path it loaded from here."""
     from finetune import builtin
 
-    config_path = staging / trained.ADAPTER_CONFIG
+    config_path = staging / saved_model.ADAPTER_CONFIG
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = builtin.resolve_model(source.recipe.model.name_or_path)
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def final_losses(source: trained.TrainedFolder) -> dict[str, float]:
+def final_losses(source: saved_model.SavedModel) -> dict[str, float]:
     """The last train and eval loss up to this model's step, from its run's progress.jsonl."""
     if source.run is None:
         return {}
-    last_step = None
-    if source.path.name.startswith("checkpoint-"):
-        last_step = int(source.path.name.split("-")[-1])
+    last_step = checkpoint_step(source.path)
     losses: dict[str, float] = {}
-    for line in (source.run / PROGRESS_NAME).read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        if "status" in row or (last_step is not None and row.get("step", 0) > last_step):
+    for row in read_rows(source.run):
+        if last_step is not None and row.get("step", 0) > last_step:
             continue
         for key, name in (("loss", "train_loss"), ("eval_loss", "eval_loss")):
             if key in row:
@@ -232,7 +229,7 @@ def base_license(base: str) -> str | None:
         return None
 
 
-def _write_card(source: trained.TrainedFolder, staging: Path, title: str, merged: bool, dtype: str,
+def _write_card(source: saved_model.SavedModel, staging: Path, title: str, merged: bool, dtype: str,
                 license: str | None) -> None:
     from huggingface_hub import ModelCard, ModelCardData
 

@@ -83,7 +83,7 @@ def _placement():
 
 
 def load_hf_model(recipe, precision: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Mxfp4Config
+    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
     source = builtin.resolve_model(recipe.model.name_or_path)
     try:
@@ -109,18 +109,23 @@ def load_hf_model(recipe, precision: dict):
     if mxfp4:
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # MXFP4 weights have no gradients: train in bf16
     if recipe.method == "qlora":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
+        kwargs["quantization_config"] = four_bit_config(dtype, sharded=kwargs["device_map"] is None)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as error:
         raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(error)}") from None
     isolate_packed_examples(model)
     return model
+
+
+def four_bit_config(dtype, sharded: bool):
+    """NF4 with double quantization, computing in `dtype`. Sharded (FSDP, DeepSpeed ZeRO-3), the 4-bit weights are
+    stored in that dtype too: the engines shard only parameters of one floating-point dtype."""
+    from transformers import BitsAndBytesConfig
+
+    storage = {"bnb_4bit_quant_storage": dtype} if sharded else {}
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, **storage)
 
 
 def isolate_packed_examples(model) -> None:
@@ -187,14 +192,15 @@ def lora_config(recipe):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(**_adapter_settings(recipe.lora), use_dora=recipe.lora.use_dora, task_type="CAUSAL_LM")
+    return LoraConfig(**_adapter_settings(recipe.lora), task_type="CAUSAL_LM")
 
 
 def _adapter_settings(lora) -> dict:
-    """The recipe's lora section in PEFT's names (Unsloth's get_peft_model takes the same)."""
+    """The recipe's lora section in PEFT's names (Unsloth's get_peft_model takes the same, and hands on to PEFT's
+    LoraConfig what it does not name itself, such as use_dora)."""
     return dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                 target_parameters=lora.target_parameters, modules_to_save=lora.modules_to_save,
-                use_rslora=lora.use_rslora)
+                use_rslora=lora.use_rslora, use_dora=lora.use_dora)
 
 
 def _first_line(error: Exception) -> str:

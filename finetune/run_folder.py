@@ -1,26 +1,29 @@
 """The run folder: the contract between the trainer and everything that reads a run (CLI, panel, chat, export).
 
-    finetune.yaml     the resolved recipe (also in every checkpoint-N/ and in final/)
-    progress.jsonl    one JSON object per logging step, then one last line with the final status
-    train.log         the plain-text log
-    checkpoint-N/     Trainer checkpoints
-    final/            the adapter (or full model), the tokenizer with its chat template, finetune.yaml
+    finetune.yaml          the resolved recipe (also in every checkpoint-N/ and in final/)
+    progress.jsonl         one JSON object per line: training rows (TRAIN_KEYS), eval rows (EVAL_KEYS), a row for
+                           each time the run resumed ({"resumed": ...}), and last the final status row (STATUSES)
+    train.log              the plain-text log
+    checkpoint-N/          Trainer checkpoints; one is complete, and may be used, once its finetune_state.json
+                           (written last) is there
+    final/                 the adapter (or full model) and the tokenizer with its chat template; appears whole
+    .lock                  held by the run's main process while it runs (with its process id inside)
 
-Only the main process writes here.
+This module imports nothing heavy: the panel reads runs with it alone. Only a run's main process writes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
-import logging
-import resource
-import signal
-import sys
+import os
+import re
+import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-from transformers import TrainerCallback
 
 from finetune.errors import UserError
 
@@ -28,137 +31,201 @@ CONFIG_NAME = "finetune.yaml"
 PROGRESS_NAME = "progress.jsonl"
 LOG_NAME = "train.log"
 FINAL_NAME = "final"
-EVAL_KEYS = ("eval_loss", "eval_mean_token_accuracy")
+LOCK_NAME = ".lock"
+CHECKPOINT_STATE_NAME = "finetune_state.json"
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
-logger = logging.getLogger("finetune")
+TRAIN_KEYS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens", "trained_tokens",
+              "total_steps", "peak_memory_gb", "elapsed_s")
+EVAL_KEYS = ("eval_loss", "eval_mean_token_accuracy")
+STATUSES = ("completed", "stopped", "failed")
+
+
+# Reading
+
+def read_rows(run: str | Path) -> list[dict[str, Any]]:
+    """progress.jsonl's rows; a last line still being written is left out."""
+    path = Path(run) / PROGRESS_NAME
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def training_rows(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if "loss" in row]
+
+
+def final_status(rows: list[dict]) -> dict | None:
+    """The status row that ends the run, if it has ended."""
+    return rows[-1] if rows and "status" in rows[-1] else None
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """N for a folder named checkpoint-N, else None."""
+    match = CHECKPOINT.fullmatch(Path(path).name)
+    return int(match[1]) if match else None
+
+
+def is_complete(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / CHECKPOINT_STATE_NAME).is_file()
+
+
+def checkpoints(run: str | Path, complete: bool = True) -> list[Path]:
+    """The run's checkpoint-N folders by step, oldest first: the complete ones, or (complete=False) all."""
+    found = [path for path in Path(run).glob("checkpoint-*") if path.is_dir() and checkpoint_step(path) is not None]
+    return sorted((path for path in found if not complete or is_complete(path)), key=checkpoint_step)
+
+
+def latest_checkpoint(run: str | Path) -> Path | None:
+    found = checkpoints(run)
+    return found[-1] if found else None
+
+
+def checkpoint_state(checkpoint: str | Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint) / CHECKPOINT_STATE_NAME).read_text(encoding="utf-8"))
+
+
+def running(run: str | Path) -> dict[str, Any] | None:
+    """Who runs the run right now ({pid, process_group, host, started}), or None when nothing does."""
+    path = Path(run) / LOCK_NAME
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(handle.read() or "{}")
+            except json.JSONDecodeError:
+                return {}
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
 
 
 def check_free(output_dir: str) -> None:
     """Refuse to mix two runs in one folder, before anything is loaded."""
     path = Path(output_dir)
     if path.exists() and (path.is_file() or any(path.iterdir())):
-        raise UserError(
-            f"output_dir {output_dir} already exists and is not empty; choose another, e.g. output_dir={output_dir}-2"
-        )
+        raise UserError(f"output_dir {output_dir} already exists and is not empty: continue that run with --resume, "
+                        f"or choose another folder, e.g. output_dir={output_dir}-2")
 
+
+def check_writable(output_dir: str) -> None:
+    """Refuse an output_dir that cannot be created or written, before anything is loaded; leaves nothing behind."""
+    existing = Path(output_dir).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"output_dir {output_dir}: {existing} is a file, so the run folder cannot be made there; "
+                        "choose another output_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".finetune-write-check-"))
+    except OSError as error:
+        raise UserError(f"output_dir {output_dir}: cannot write in {existing} ({error.strerror}); choose a folder "
+                        "you can write to") from None
+
+
+# Writing (the run's main process only)
 
 class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._lock = None
 
     @property
     def progress_path(self) -> Path:
         return self.path / PROGRESS_NAME
 
-    def create(self, recipe) -> None:
+    def hold(self) -> None:
+        """Take the run's lock for as long as this process lives (or until `release`); refuse a run in use."""
         self.path.mkdir(parents=True, exist_ok=True)
-        save_recipe(recipe, self.path)
-        handler = logging.FileHandler(self.path / LOG_NAME, encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        for name in ("finetune", "transformers", "trl", "peft", "accelerate", "py.warnings"):
-            library = logging.getLogger(name)
-            for console in library.handlers:  # the terminal keeps showing warnings only; the file gets info too
-                console.setLevel(max(console.level, logging.WARNING))
-            library.addHandler(handler)
-            library.setLevel(logging.INFO)
-        logging.captureWarnings(True)
+        handle = open(self.path / LOCK_NAME, "a+", encoding="utf-8")
+        for _ in range(50):  # readers hold it shared for an instant
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.1)
+        else:
+            handle.seek(0)
+            holder = handle.read()
+            handle.close()
+            raise UserError(f"{self.path} is in use by another process ({holder.strip() or 'unknown'}); "
+                            "wait for it to end, or stop it first")
+        handle.truncate(0)
+        handle.write(json.dumps({"pid": os.getpid(), "process_group": os.getpgid(0), "host": socket.gethostname(),
+                                 "started": time.time()}))
+        handle.flush()
+        self._lock = handle
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
+
+    def save_recipe(self, recipe_yaml: str, folder: Path | None = None) -> None:
+        _write_atomically((folder or self.path) / CONFIG_NAME, recipe_yaml)
 
     def append(self, row: dict[str, Any]) -> None:
         with open(self.progress_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
 
     def finish(self, status: str, step: int, elapsed: float, error: str | None = None) -> None:
-        row = {"status": status, "step": step, "elapsed_s": round(elapsed, 2)}
+        row: dict[str, Any] = {"status": status, "step": step, "elapsed_s": round(elapsed, 2)}
         if error:
             row["error"] = error
         self.append(row)
-        logger.info("run %s at step %d%s", status, step, f": {error}" if error else "")
 
+    def rewind(self, step: int, resumed: dict[str, Any]) -> None:
+        """Make progress.jsonl end where a resumed run continues: rows after `step` (and the previous status)
+        go; a row saying where and how the run resumed is added."""
+        rows = read_rows(self.path)
+        previous = final_status(rows)
+        kept = [row for row in rows if "status" not in row and row.get("step", 0) <= step]
+        if previous:
+            resumed = {**resumed, "after": {key: previous[key] for key in ("status", "step", "error") if key in previous}}
+        text = "".join(json.dumps(row) + "\n" for row in [*kept, {"step": step, "resumed": resumed}])
+        _write_atomically(self.progress_path, text)
 
-def save_recipe(recipe, folder: Path) -> None:
-    (folder / CONFIG_NAME).write_text(recipe.to_yaml(), encoding="utf-8")
+    def mark_complete(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        """The last write of a checkpoint: from now on it may be used."""
+        _write_atomically(checkpoint / CHECKPOINT_STATE_NAME, json.dumps(state, indent=1))
 
+    def remove_checkpoints_after(self, step: int) -> list[str]:
+        """Checkpoints past `step` (from a later stretch of the run that a resume from `step` replaces), and any
+        incomplete ones; returns their names."""
+        removed = []
+        for path in checkpoints(self.path, complete=False):
+            if checkpoint_step(path) > step or not is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+        return removed
 
-def peak_memory_gb() -> float:
-    """Peak accelerator memory of this process where there is one, else its peak resident memory."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kilobytes / (2**20 if sys.platform != "darwin" else 2**30)
-
-
-class StopRequest:
-    """SIGTERM or Ctrl-C asks the run to stop at the next step with a checkpoint; a second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        logger.warning("stop requested: saving a checkpoint at the end of this step")
-
-    def agreed(self) -> bool:
-        """Whether any process was asked to stop; every process must leave the loop at the same step."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.requested
-        import torch
-
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-class ProgressCallback(TrainerCallback):
-    """Writes progress.jsonl rows and the config into each checkpoint; turns a stop request into a clean stop."""
-
-    def __init__(self, run: RunFolder, recipe, stop: StopRequest):
-        self.run, self.recipe, self.stop = run, recipe, stop
-        self.start = time.monotonic()
-        self.last_time, self.last_tokens = self.start, 0
-        self.stopped = False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.stop.agreed():
-            self.stopped = True
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
+    def rotate(self, limit: int | None, keep: str | None = None) -> None:
+        """Keep the newest `limit` complete checkpoints (and the one named `keep`, the best); older ones go, complete
+        or not.
+        Only complete checkpoints count, so the newest complete one is never removed."""
+        if not limit or limit <= 0:
             return
-        now = time.monotonic()
-        row: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
-        if "loss" in logs:
-            tokens = int(logs.get("num_tokens", 0))
-            row.update(
-                loss=logs["loss"],
-                learning_rate=logs.get("learning_rate"),
-                grad_norm=logs.get("grad_norm"),
-                tokens_per_second=round((tokens - self.last_tokens) / max(now - self.last_time, 1e-9), 1),
-                tokens=tokens,
-                trained_tokens=int(logs.get("trained_tokens", 0)),
-                total_steps=state.max_steps,
-            )
-            self.last_time, self.last_tokens = now, tokens
-        row.update({key: logs[key] for key in EVAL_KEYS if key in logs})
-        if len(row) == 2:
-            return  # the end-of-training summary: the status line says it
-        row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(now - self.start, 2))
-        self.run.append(row)
-        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
+        complete = checkpoints(self.path)
+        if not complete:
+            return
+        kept = {path.name for path in complete[-limit:]} | {keep}
+        newest = checkpoint_step(complete[-1])
+        for path in checkpoints(self.path, complete=False):
+            if path.name not in kept and checkpoint_step(path) < newest:
+                shutil.rmtree(path, ignore_errors=True)
 
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if checkpoint.is_dir():
-                save_recipe(self.recipe, checkpoint)
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)

@@ -58,7 +58,7 @@ def test_training_process_imports_unsloth_before_transformers(probe_unsloth):
     script = ("from finetune import backends\n"
               "backends.resolve = lambda requested: ('unsloth', '')  # as on a CUDA machine\n"
               "backends.import_first('quickstart', [])\n"
-              "import finetune.run\n")
+              "import finetune.training_run\n")
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     assert json.loads(record.read_text()) == {"transformers": False, "trl": False, "peft": False}
 

@@ -265,7 +265,7 @@ def test_chat_worker_process(trained, tmp_path):
 
 def test_bad_paths_get_clear_errors(trained, models, tmp_path):
     from finetune.errors import UserError
-    from finetune.trained import locate
+    from finetune.saved_model import locate
 
     run = trained("llama", "lora")
     missing = run_cli("chat", str(tmp_path / "nowhere"), "--prompt", "hi")

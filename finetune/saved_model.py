@@ -16,14 +16,14 @@ import yaml
 
 from finetune.config import Recipe, recipe_from_dict
 from finetune.errors import UserError
-from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME
+from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME, checkpoint_step, is_complete, latest_checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 WHAT_TO_PASS = "pass a run's final/, one of its checkpoint-N/ folders, or a folder written by `finetune export`"
 
 
 @dataclass
-class TrainedFolder:
+class SavedModel:
     path: Path
     recipe: Recipe
     is_adapter: bool
@@ -41,7 +41,7 @@ class TrainedFolder:
         return override or builtin.resolve_model(self.recipe.model.name_or_path)
 
 
-def locate(path: str | Path) -> TrainedFolder:
+def locate(path: str | Path) -> SavedModel:
     """Check PATH before anything heavy loads; a run folder stands for its final/."""
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -50,10 +50,12 @@ def locate(path: str | Path) -> TrainedFolder:
         raise UserError(f"{folder} is a file; {WHAT_TO_PASS}")
     if (folder / PROGRESS_NAME).is_file():  # a run folder
         if not (folder / FINAL_NAME).is_dir():
-            checkpoints = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-            hint = f"pass {checkpoints[-1]}" if checkpoints else "it has no checkpoint yet either"
+            checkpoint = latest_checkpoint(folder)
+            hint = f"pass {checkpoint}" if checkpoint else "it has no complete checkpoint yet either"
             raise UserError(f"{folder} is a run without final/ (not finished); {hint}")
         folder = folder / FINAL_NAME
+    if checkpoint_step(folder) is not None and not is_complete(folder):
+        raise UserError(f"{folder} is a checkpoint that was cut off while being written; pass a complete one")
     config = folder / CONFIG_NAME
     if not config.is_file():
         raise UserError(f"{folder} has no {CONFIG_NAME}, so the recipe it was trained with is unknown; {WHAT_TO_PASS}")
@@ -65,16 +67,16 @@ def locate(path: str | Path) -> TrainedFolder:
     if not is_adapter and not (folder / "config.json").is_file():
         raise UserError(f"{folder} has neither an adapter ({ADAPTER_CONFIG}) nor a model (config.json); "
                         + WHAT_TO_PASS)
-    return TrainedFolder(folder, recipe, is_adapter)
+    return SavedModel(folder, recipe, is_adapter)
 
 
-def load_tokenizer(folder: TrainedFolder):
+def load_tokenizer(folder: SavedModel):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder.path)
 
 
-def load_model(folder: TrainedFolder, base_model: str | None = None, dtype: str | None = None):
+def load_model(folder: SavedModel, base_model: str | None = None, dtype: str | None = None):
     """The trained model, in eval mode: the base with the adapter on it, or the full model. `dtype` (bfloat16,
     float16, float32) loads an adapter's base unquantized in that dtype instead of as trained: what merging needs."""
     model = load_base(folder, base_model, dtype)
@@ -85,12 +87,12 @@ def load_model(folder: TrainedFolder, base_model: str | None = None, dtype: str 
     return model.eval()
 
 
-def load_original(folder: TrainedFolder, base_model: str | None = None):
+def load_original(folder: SavedModel, base_model: str | None = None):
     """The model the run started from (the recipe's model, loaded as for training), in eval mode."""
     return load_base(dataclasses.replace(folder, is_adapter=True), base_model)
 
 
-def load_base(folder: TrainedFolder, base_model: str | None = None, dtype: str | None = None):
+def load_base(folder: SavedModel, base_model: str | None = None, dtype: str | None = None):
     """An adapter's base model loaded as in training (or unquantized in `dtype`); for a full model, the model."""
     from finetune.model import load_hf_model, training_precision
 

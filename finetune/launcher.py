@@ -1,0 +1,95 @@
+"""Starting `accelerate launch` for `finetune train --accelerate-config`, and looking after what it starts.
+
+torch's elastic agent (inside `accelerate launch`) starts each training process in a session of its own. When the
+agent itself is signalled, it passes the signal on and kills the processes 30 seconds later
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT), whether or not their checkpoint is written. So the agent is started in its own
+session too, where a terminal's Ctrl-C or a group SIGTERM (the panel's Stop) does not reach it; this process takes
+them and asks the training processes directly: the first request stops them at the end of the step with a
+checkpoint however long it takes, a second Ctrl-C kills them at once.
+
+Nothing heavy is imported here: the panel uses `process_tree` to stop a run whatever its processes are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from finetune.run_folder import RunFolder, final_status, read_rows
+
+
+def supervise(command: list[str], run: str | Path) -> int:
+    """Run the launcher command to its end; returns its exit status (130 after a hard stop)."""
+    process = subprocess.Popen(command, start_new_session=True)
+    stop = {"asked": False, "at_once": False}
+
+    def on_signal(signum, frame):
+        if stop["asked"] and signum == signal.SIGINT:
+            stop["at_once"] = True
+            for pid in [process.pid, *process_tree(process.pid)]:
+                _send(pid, signal.SIGKILL)
+        elif not stop["asked"]:
+            stop["asked"] = True
+            print("stopping at the end of this step, with a checkpoint (Ctrl-C again stops at once)", flush=True)
+            for pid in children(process.pid) or [process.pid]:  # none yet: nothing to save, the launcher goes
+                _send(pid, signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    rows = read_rows(run)
+    if code != 0 and rows and final_status(rows) is None:  # killed before the main process could say so
+        step = max((row.get("step", 0) for row in rows), default=0)
+        reason = "interrupted" if stop["at_once"] else \
+            f"a training process exited with status {code} (see {Path(run) / 'train.log'})"
+        RunFolder(run).finish("failed", step, 0.0, reason)
+    return 130 if stop["at_once"] else code
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def process_tree(pid: int) -> list[int]:
+    """Every process descended from `pid` (children, their children, ...), whatever session or group they are in."""
+    parents = _parents()
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        found = [child for child, parent in parents.items() if parent == current]
+        tree += found
+        frontier += found
+    return tree
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot; Linux), to tell it from a later process with its id."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19])
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it ended while we looked
+    return parents
+
+
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,280 @@
+"""TRL's SFTTrainer, bound to a run folder.
+
+- Counts the real (non-padding) tokens and the tokens that carry loss, summed over every process, and carries the
+  counts across a resume.
+- Trains in SimilarLengthSampler's order; a resumed run starts that order at the batch it stopped at, without
+  going through the batches before it.
+- A checkpoint becomes usable only when every process has written its part: finetune_state.json is written last.
+  Old checkpoints are rotated out only after that (save_total_limit), so the newest complete one always stays.
+- A non-finite loss or gradient norm, a stop request, a checkpoint that cannot be written and running out of GPU
+  memory end the run the same way on every process, with a message that says at which step and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers.trainer
+from transformers import TrainerCallback
+from trl import SFTTrainer
+
+from finetune import faults
+from finetune.data.render import IGNORE
+from finetune.data.sampler import SimilarLengthSampler
+from finetune.errors import RunFailed
+from finetune.run_folder import EVAL_KEYS, RunFolder, latest_checkpoint
+
+logger = logging.getLogger("finetune")
+
+
+class RunTrainer(SFTTrainer):
+    def __init__(self, *args, run_folder: RunFolder, recipe_yaml: str, stop, save_total_limit: int | None,
+                 max_length: int, similar_lengths: bool = True, resumed: dict[str, Any] | None = None, **kwargs):
+        self.run_folder, self.recipe_yaml, self.stop, self.recipe_max_length = run_folder, recipe_yaml, stop, max_length
+        self.save_total_limit = save_total_limit  # ours to apply: HF's rotation could remove the last complete one
+        self.similar_lengths = similar_lengths
+        self.sampler: SimilarLengthSampler | None = None
+        resumed = resumed or {}
+        self.real_tokens = resumed.get("tokens", 0)
+        self.trained_tokens = resumed.get("trained_tokens", 0)
+        self.elapsed_before = resumed.get("elapsed_s", 0.0)
+        self.started = time.monotonic()
+        self.stopped = False
+        self._micro_batches = 0  # in the current optimizer step
+        self._last_step_seen = None
+        super().__init__(*args, **kwargs)
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    # The data order, and where a resumed run starts in it.
+    def _get_train_sampler(self, train_dataset=None):
+        if not self.similar_lengths:
+            return super()._get_train_sampler(train_dataset)
+        import pyarrow.compute as pc
+
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        lengths = pc.list_value_length(dataset.with_format("arrow")[:]["input_ids"]).to_pylist()
+        self.sampler = SimilarLengthSampler(lengths, self.global_batch, self.args.data_seed or self.args.seed)
+        return self.sampler
+
+    @property
+    def global_batch(self) -> int:
+        return self.args.per_device_train_batch_size * self.args.world_size * self.args.gradient_accumulation_steps
+
+    def _run_epoch(self, **kwargs):
+        resuming = kwargs["resume_from_checkpoint"] is not None and kwargs["epoch"] == kwargs["epochs_trained"]
+        done = kwargs["steps_trained_in_current_epoch"] if resuming else 0
+        if not done or self.sampler is None:
+            return super()._run_epoch(**kwargs)
+        # HF would fast-forward by drawing every batch before this one from a rebuilt data loader (which no longer
+        # forwards set_epoch to our sampler); ours starts at the right batch itself. Each optimizer step takes one
+        # global batch of the sampler's order.
+        self.sampler.start_at(kwargs["epoch"], done // self.args.gradient_accumulation_steps)
+        with _batches_not_skipped():
+            return super()._run_epoch(**kwargs)
+
+    # Token counts.
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        real = inputs.pop("num_real_tokens", None)  # from PackedRowsCollator; not a model input
+        if self.model.training:
+            if real is None:
+                real = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
+            trained = (inputs["labels"][..., 1:] != IGNORE).sum()
+            counts = torch.stack([torch.as_tensor(real, device=trained.device), trained])
+            real_sum, trained_sum = self.accelerator.reduce(counts, reduction="sum").tolist()
+            self.real_tokens += int(real_sum)
+            self.trained_tokens += int(trained_sum)
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self.model.training:
+            # TRL counts a (rows x width) batch without attention_mask as `width` tokens; report the real count.
+            self._total_train_tokens = self.real_tokens
+            self._metrics["train"]["num_tokens"] = [self.real_tokens]
+            self._metrics["train"]["trained_tokens"] = [self.trained_tokens]
+        return result
+
+    # Faults.
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._micro_batches == 1:
+            faults.reached("micro", self.state.global_step)
+        self._micro_batches += 1
+        try:
+            faults.reached("forward", self.state.global_step + 1)
+            return super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError:
+            raise RunFailed(self._out_of_memory(inputs), every_process_alike=False) from None
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        self._micro_batches = 0
+        non_finite = self._non_finite(tr_loss, grad_norm)
+        flags = torch.tensor([float(bool(non_finite)), float(self.stop.requested)], device=tr_loss.device)
+        if self.args.world_size > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if flags[0]:
+            raise RunFailed(self._non_finite_message(non_finite or "loss on another process"))
+        if flags[1]:
+            self.stopped = True
+            self.control.should_save = self.control.should_training_stop = True
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+        if self.state.global_step != self._last_step_seen:
+            self._last_step_seen = self.state.global_step
+            faults.reached("step", self.state.global_step)
+
+    def _non_finite(self, tr_loss, grad_norm) -> str | None:
+        """What is not finite ("loss nan", "gradient norm inf"), or None. Under fp16 an infinite gradient is the
+        loss scaler's to handle (it skips the step), so only the loss counts there."""
+        loss = float(tr_loss)
+        if not math.isfinite(loss):
+            return f"loss {loss}"
+        if grad_norm is not None and self.accelerator.scaler is None and not math.isfinite(float(grad_norm)):
+            return f"gradient norm {float(grad_norm)}"
+        return None
+
+    def _non_finite_message(self, what: str) -> str:
+        args = self.args
+        tries = [f"a lower learning rate (train.learning_rate, now {args.learning_rate:g})"]
+        if args.fp16:
+            tries.append("bf16 instead of fp16 (train.bf16=true train.fp16=false), where the GPU has it")
+        if not args.max_grad_norm or args.max_grad_norm > 1.0:
+            tries.append("gradient clipping (train.max_grad_norm=1.0)")
+        return (f"step {self.state.global_step}: the {what} is not finite, so the run stopped (status failed). "
+                f"{self._kept()} Try {', or '.join(tries)}, in a new run.")
+
+    def _out_of_memory(self, inputs) -> str:
+        args = self.args
+        rows, width = inputs["input_ids"].shape
+        knobs = [f"halve train.per_device_train_batch_size (now {args.per_device_train_batch_size}) and double "
+                 f"train.gradient_accumulation_steps (now {args.gradient_accumulation_steps}): the global batch stays "
+                 f"{self.global_batch}", f"lower train.max_length (now {self.recipe_max_length})"]
+        if not getattr(self.model, "is_loaded_in_4bit", False):
+            knobs.append("train the adapter on a 4-bit base (method=qlora)")
+        if not args.gradient_checkpointing:
+            knobs.append("turn on train.gradient_checkpointing")
+        return (f"step {self.state.global_step + 1}: out of GPU memory on a micro-batch of {rows} rows x {width} "
+                f"tokens, so the run stopped (status failed). To fit: " + "; or ".join(knobs) + ".")
+
+    def _kept(self) -> str:
+        checkpoint = latest_checkpoint(self.run_folder.path)
+        return f"Its last good checkpoint is {checkpoint}." if checkpoint else "It has no checkpoint yet."
+
+    # Checkpoints that are complete or unusable, never half of each.
+    def _save_checkpoint(self, model, trial):
+        step = self.state.global_step
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
+        if self.args.should_save and folder.exists():
+            shutil.rmtree(folder)  # left by a stretch of the run that a resume replaced
+        error = None
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                self.run_folder.save_recipe(self.recipe_yaml, folder)
+        except OSError as failure:
+            error = failure
+        failed = torch.tensor([float(error is not None)], device=self.args.device)
+        if self.args.world_size > 1:  # every process wrote its part (its RNG state at least)
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed[0]:
+            if self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            reason = f": {error}" if error else " on another process"
+            raise RunFailed(f"could not write checkpoint {folder}{reason}. The run stopped (status failed). "
+                            f"{self._kept()} Free some space, then continue the run with --resume.")
+        if self.args.should_save:
+            self.run_folder.mark_complete(folder, self.resume_state())
+            best = self.state.best_model_checkpoint
+            self.run_folder.rotate(self.save_total_limit, keep=Path(best).name if best else None)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        faults.reached("save", self.state.global_step, Path(output_dir) / "optimizer.pt")
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.args.world_size == 1 or self.args.device.type != "cpu" \
+                or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # Several CPU processes: HF maps the optimizer state to the device "cpu:0", which torch.load cannot restore to.
+        folder = Path(checkpoint)
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a resumed run needs besides what the Trainer saves itself."""
+        return {
+            "step": self.state.global_step,
+            "processes": self.args.world_size,
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "global_batch": self.global_batch,
+            "tokens": self.real_tokens,
+            "trained_tokens": self.trained_tokens,
+            "elapsed_s": round(self.elapsed(), 2),
+            "mlflow_run_id": _mlflow_run_id(),
+        }
+
+
+def _mlflow_run_id() -> str | None:
+    """The MLflow run HF's MLflowCallback logs to, if any (a resumed run continues it)."""
+    mlflow = sys.modules.get("mlflow")
+    active = mlflow.active_run() if mlflow is not None else None
+    return active.info.run_id if active else None
+
+
+@contextlib.contextmanager
+def _batches_not_skipped():
+    skip = transformers.trainer.skip_first_batches
+    transformers.trainer.skip_first_batches = lambda dataloader, num_batches=0: dataloader
+    try:
+        yield
+    finally:
+        transformers.trainer.skip_first_batches = skip
+
+
+class ProgressCallback(TrainerCallback):
+    """Writes a progress.jsonl row at every logging step and every evaluation (main process only)."""
+
+    def __init__(self, trainer_elapsed, run_folder: RunFolder, tokens: int = 0):
+        self.elapsed, self.run_folder = trainer_elapsed, run_folder
+        self.last_time, self.last_tokens = time.monotonic(), tokens
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        now = time.monotonic()
+        row: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
+        if "loss" in logs:
+            tokens = int(logs.get("num_tokens", 0))
+            row.update(
+                loss=logs["loss"],
+                learning_rate=logs.get("learning_rate"),
+                grad_norm=logs.get("grad_norm"),
+                tokens_per_second=round((tokens - self.last_tokens) / max(now - self.last_time, 1e-9), 1),
+                tokens=tokens,
+                trained_tokens=int(logs.get("trained_tokens", 0)),
+                total_steps=state.max_steps,
+            )
+            self.last_time, self.last_tokens = now, tokens
+        row.update({key: logs[key] for key in EVAL_KEYS if key in logs})
+        if len(row) == 2:
+            return  # the end-of-training summary: the status line says it
+        row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
+        self.run_folder.append(row)
+        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory of this process where there is one, else its peak resident memory."""
+    import resource
+    import sys
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kilobytes / (2**20 if sys.platform != "darwin" else 2**30)

@@ -1,0 +1,232 @@
+"""One training run, the same on one process and on N: recipe -> tokenizer -> data -> model -> trainer -> train ->
+save. `finetune train` and `python -m finetune.train` (what accelerate launches) both end here, and so does a
+resumed run (`--resume`), which continues from a checkpoint exactly where the run was.
+
+Import this module only after `backends.import_first` (Unsloth must come before transformers, TRL and PEFT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+
+import torch
+import transformers
+from accelerate import PartialState
+
+from finetune import backends
+from finetune.config import load_recipe
+from finetune.data.collate import PackedRowsCollator
+from finetune.data.pipeline import prepare
+from finetune.errors import RunFailed, UserError
+from finetune.model import load_model, load_tokenizer, training_precision
+from finetune.report import describe_data
+from finetune.resuming import ResumePoint, check_global_batch, check_same_run, resume_point
+from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
+from finetune.sft_trainer import ProgressCallback, RunTrainer
+from finetune.signals import StopRequest
+
+logger = logging.getLogger("finetune")
+
+
+def run(recipe_path: str, overrides: list[str], resume: bool | str = False, callbacks: tuple = ()) -> str:
+    """Train; return the final status (completed or stopped). UserError for anything the user must fix first,
+    RunFailed for a run that failed on the way.
+
+    `resume`: True for the run's newest complete checkpoint, or a checkpoint's path. `callbacks` are extra
+    TrainerCallbacks (the benchmarks use one to measure)."""
+    recipe = load_recipe(recipe_path, overrides)
+    transformers.utils.logging.disable_progress_bar()  # weight loading and saving bars; the training bar stays
+    state = PartialState()
+    try:
+        with StopRequest() as stop:
+            return _train(recipe, state, stop, resume, callbacks)
+    finally:
+        state.destroy_process_group()  # gloo and NCCL threads still alive at exit abort the process
+
+
+def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
+    point, note = None, None
+    if resume:
+        point = resume_point(recipe.output_dir, resume)
+        check_same_run(recipe.to_dict(), recipe.output_dir)
+        train = recipe.train
+        note = check_global_batch(point, train.get("per_device_train_batch_size", 8),
+                                  train.get("gradient_accumulation_steps", 1), state.num_processes)
+    else:
+        check_free(recipe.output_dir)
+    check_writable(recipe.output_dir)
+    state.wait_for_everyone()  # every process checked before the main one writes
+
+    backend, why = backends.resolve(recipe.model.backend)
+    backends.check_launch(backend, state.distributed_type.value)
+    precision = training_precision(recipe.train)
+    # On each machine its main process builds builtins and prepares the data first; the others then read them.
+    with state.local_main_process_first():
+        tokenizer = load_tokenizer(recipe)
+        data = prepare(recipe, tokenizer, tokenizer.chat_template)
+    if state.is_main_process:
+        print(why, describe_data(data.report), sep="\n", flush=True)
+    flash = "flash" in (recipe.model.attn_implementation or "")
+    args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash, backend))
+    transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
+    model, peft_config = load_model(recipe, precision, backend, recipe.train.get("gradient_checkpointing", True))
+    coefficient = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0)
+    if coefficient and "router_aux_loss_coef" not in recipe.train:
+        # TRL adds coefficient x load-balancing loss to every micro-batch's loss, and the Trainer multiplies each
+        # process's loss by the process count (right for the token-normalized cross-entropy only), so the MoE term
+        # would weigh accumulation steps x processes times more than the model's config says.
+        args.router_aux_loss_coef = coefficient / (args.gradient_accumulation_steps * state.num_processes)
+
+    run_folder = RunFolder(recipe.output_dir)
+    with contextlib.ExitStack() as cleanup:
+        if state.is_main_process:
+            run_folder.hold()
+            cleanup.callback(run_folder.release)
+            if point:
+                _continue_from(run_folder, point, state.num_processes, note)
+            else:
+                run_folder.save_recipe(recipe.to_yaml())
+            cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
+            logger.info("run folder %s", run_folder.path)
+        state.wait_for_everyone()  # the folder is there (and rewound) before any process writes into it
+        return _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash,
+                    callbacks)
+
+
+def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash, callbacks) -> str:
+    trainer = None
+    try:
+        trainer = RunTrainer(
+            model=model,
+            args=args,
+            data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=list(callbacks),
+            run_folder=run_folder,
+            recipe_yaml=recipe.to_yaml(),
+            stop=stop,
+            save_total_limit=recipe.train.get("save_total_limit"),
+            max_length=recipe.train["max_length"],
+            similar_lengths="train_sampling_strategy" not in recipe.train,
+            resumed=point.state if point else None,
+        )
+        trainer.add_callback(ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens))
+        _log_to_tensorboard(trainer, run_folder, point)
+        if point and point.state.get("mlflow_run_id"):
+            os.environ.setdefault("MLFLOW_RUN_ID", point.state["mlflow_run_id"])  # HF's MLflowCallback continues it
+        trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
+        status = "stopped" if trainer.stopped else "completed"
+        final = _save_final(trainer, run_folder, tokenizer, recipe, state)
+        if state.is_main_process:
+            run_folder.finish(status, trainer.state.global_step, trainer.elapsed())
+            logger.info("run %s at step %d", status, trainer.state.global_step)
+            print(f"{status}: {final}", flush=True)
+        return status
+    except BaseException as error:
+        alone = isinstance(error, RunFailed) and not error.every_process_alike  # this process's failure only
+        if state.is_main_process or alone:
+            message = "interrupted" if isinstance(error, KeyboardInterrupt) else \
+                str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+            step = trainer.state.global_step if trainer is not None else (point.step if point else 0)
+            run_folder.finish("failed", step, trainer.elapsed() if trainer else 0.0, message)
+            logger.error("run failed at step %d: %s", step, message)
+        raise
+
+
+def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, note: str | None) -> None:
+    """Forget what happened after the checkpoint (later checkpoints, progress rows), and say where it resumes."""
+    removed = run_folder.remove_checkpoints_after(point.step)
+    run_folder.rewind(point.step, {"from": point.checkpoint.name, "processes": processes, "at": time.time()})
+    shutil.rmtree(run_folder.path / FINAL_NAME, ignore_errors=True)  # the final model of an earlier stop
+    print(f"resuming {run_folder.path} from {point.checkpoint.name} (step {point.step})"
+          + (f"; removed {', '.join(removed)}, written after it or cut off" if removed else ""), flush=True)
+    if note:
+        print(f"note: {note}", flush=True)
+
+
+def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | None) -> None:
+    """With report_to tensorboard: one log per run, in RUN/tensorboard, that a resumed run continues (the steps
+    after its checkpoint, written before the interruption, are purged)."""
+    from transformers.integrations import TensorBoardCallback
+
+    board = next((callback for callback in trainer.callback_handler.callbacks
+                  if isinstance(callback, TensorBoardCallback)), None)
+    if board is None or board._SummaryWriter is None or not trainer.is_world_process_zero():
+        return
+    trainer.remove_callback(board)
+    writer = board._SummaryWriter(log_dir=str(run_folder.path / "tensorboard"),
+                                  purge_step=point.step + 1 if point else None)
+    trainer.add_callback(TensorBoardCallback(tb_writer=writer))
+
+
+def _save_final(trainer, run_folder: RunFolder, tokenizer, recipe, state):
+    """final/ appears whole: written beside it, then renamed."""
+    final = run_folder.path / FINAL_NAME
+    staging = run_folder.path / f".{FINAL_NAME}.partial"
+    if state.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    try:
+        trainer.save_model(str(staging))  # the adapter, or the full model; every process joins, the main one writes
+        if state.is_main_process:
+            tokenizer.save_pretrained(staging)
+            run_folder.save_recipe(recipe.to_yaml(), staging)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RunFailed(f"could not write the final model to {final}: {error}. The run's checkpoints are kept; "
+                        "free some space, then continue the run with --resume") from None
+    return final
+
+
+@contextlib.contextmanager
+def _log_to(path):
+    """train.log gets the info of the toolkit and its libraries while the run lasts; the terminal keeps warnings."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = []
+    for name in ("finetune", "transformers", "trl", "peft", "accelerate", "py.warnings"):
+        library = logging.getLogger(name)
+        saved.append((library, library.level, [(console, console.level) for console in library.handlers]))
+        for console in library.handlers:
+            console.setLevel(max(console.level, logging.WARNING))
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for library, level, consoles in saved:
+            library.removeHandler(handler)
+            library.setLevel(level)
+            for console, console_level in consoles:
+                console.setLevel(console_level)
+        handler.close()
+
+
+def runtime_arguments(recipe, data, flash: bool, backend: str) -> dict:
+    """SFTConfig values that depend on this machine, model and data rather than on the recipe."""
+    arguments = {
+        # Our data is already tokenized, truncated and packed: TRL only batches it. FlashAttention takes packed
+        # rows flattened into one sequence (TRL's padding-free collator); other attention takes PackedRowsCollator.
+        "packing": False,
+        "padding_free": recipe.train["packing"] and flash,
+        "max_length": None,
+        "use_cpu": recipe.train.get("use_cpu", not torch.cuda.is_available()),
+        "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
+        "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run
+    }
+    if backend == "unsloth":
+        arguments["gradient_checkpointing"] = False  # Unsloth checkpoints its own way (set when loading)
+    if data.eval is not None and "eval_strategy" not in recipe.train:
+        arguments["eval_strategy"] = "steps" if "eval_steps" in recipe.train else "epoch"
+    return arguments
+
