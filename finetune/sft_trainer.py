@@ -119,7 +119,7 @@ class RunTrainer(SFTTrainer):
         if self.args.world_size > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if flags[0]:
-            raise RunFailed(self._non_finite_message(non_finite or "loss on another process"))
+            raise RunFailed(self._non_finite_message(non_finite or "loss of another process is not finite"))
         if flags[1]:
             self.stopped = True
             self.control.should_save = self.control.should_training_stop = True
@@ -129,13 +129,13 @@ class RunTrainer(SFTTrainer):
             faults.reached("step", self.state.global_step)
 
     def _non_finite(self, tr_loss, grad_norm) -> str | None:
-        """What is not finite ("loss nan", "gradient norm inf"), or None. Under fp16 an infinite gradient is the
-        loss scaler's to handle (it skips the step), so only the loss counts there."""
+        """What is not finite ("loss is nan", "gradient norm is inf"), or None. Under fp16 an infinite gradient is
+        the loss scaler's to handle (it skips the step), so only the loss counts there."""
         loss = float(tr_loss)
         if not math.isfinite(loss):
-            return f"loss {loss}"
+            return f"loss is {loss}"
         if grad_norm is not None and self.accelerator.scaler is None and not math.isfinite(float(grad_norm)):
-            return f"gradient norm {float(grad_norm)}"
+            return f"gradient norm is {float(grad_norm)}"
         return None
 
     def _non_finite_message(self, what: str) -> str:
@@ -145,7 +145,7 @@ class RunTrainer(SFTTrainer):
             tries.append("bf16 instead of fp16 (train.bf16=true train.fp16=false), where the GPU has it")
         if not args.max_grad_norm or args.max_grad_norm > 1.0:
             tries.append("gradient clipping (train.max_grad_norm=1.0)")
-        return (f"step {self.state.global_step}: the {what} is not finite, so the run stopped (status failed). "
+        return (f"step {self.state.global_step}: the {what}, so the run stopped (status failed). "
                 f"{self._kept()} Try {', or '.join(tries)}, in a new run.")
 
     def _out_of_memory(self, inputs) -> str:

@@ -40,33 +40,38 @@ def adapter(run: Path) -> dict:
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    """Through an epoch's end: 37 examples make 5 global batches of 4, the last one completed from its own
+    window, so both runs see the same rows at every step, and count the same tokens."""
     # Data never prepared before, so we can see who prepares it: once, for both processes.
     rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
     data = tmp_path / "greetings.jsonl"
-    data.write_text("\n".join(rows[:2000]) + "\n")
+    data.write_text("\n".join(rows[:37]) + "\n")
+    epoch = [*SHORT, "train.max_steps=-1", "train.num_train_epochs=1", "train.packing=false", "train.max_length=64"]
     two = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"data.train={data}", f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *SHORT],
+         f"data.train={data}", f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *epoch],
         capture_output=True, text=True, timeout=600,
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("Prepared the data") == 1
     one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={tmp_path / 'one'}",
-                  "train.per_device_train_batch_size=4", *SHORT)
+                  "train.per_device_train_batch_size=4", *epoch)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "Prepared the data" not in one.stdout  # same data, tokenizer and settings: from the cache
 
     single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(single) == len(ddp) == 6
+    assert len(single) == len(ddp) == 10
     assert max(abs(a - b) / abs(a) for a, b in zip(single, ddp)) <= 1e-4
     assert single[-1] < single[0]  # and it trained
     weights_one, weights_two = adapter(tmp_path / "one"), adapter(tmp_path / "two")
     assert weights_one.keys() == weights_two.keys()
     assert max((weights_one[k] - weights_two[k]).abs().max().item() for k in weights_one) <= 1e-5
     assert progress(tmp_path / "two")[-1]["status"] == "completed"
-    # Only the main process writes: one progress row per step, not two.
-    assert [row["step"] for row in progress(tmp_path / "two") if "loss" in row] == [1, 2, 3, 4, 5, 6]
+    # Only the main process writes: one progress row per step, not two. Every process's tokens are counted.
+    assert [row["step"] for row in progress(tmp_path / "two") if "loss" in row] == list(range(1, 11))
+    counted = [[row["trained_tokens"] for row in progress(tmp_path / run) if "loss" in row] for run in ("one", "two")]
+    assert counted[0] == counted[1]
 
 
 def test_qlora_trains_on_cpu(tmp_path):
