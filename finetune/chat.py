@@ -239,6 +239,9 @@ class ChatWorker:
         *_, whole = self.stream(messages, sampling)
         return whole
 
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
     def close(self) -> None:
         if self._process.is_alive():
             self._requests.put(None)

@@ -71,3 +71,48 @@ def test_validation_never_imports_unsloth(probe_unsloth, tmp_path):
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not record.exists()
+
+
+def test_unsloth_gets_every_lora_setting_dora_included(monkeypatch):
+    """Unsloth's get_peft_model hands on to PEFT's LoraConfig the settings it does not name itself, DoRA among
+    them: the recipe's lora section must reach it whole. (A stand-in records the call; Unsloth needs a GPU.)"""
+    import types
+
+    from finetune.config import load_recipe
+    from finetune.model import _load_unsloth
+
+    calls = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**settings):
+            return types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama")), None
+
+        @staticmethod
+        def get_peft_model(model, **settings):
+            calls.update(settings)
+            return model
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    recipe = load_recipe("quickstart", ["method=lora", "lora.use_dora=true", "lora.use_rslora=true", "lora.r=4"])
+    _load_unsloth(recipe, {"bf16": True, "fp16": False}, gradient_checkpointing=True)
+    assert calls["use_dora"] is True and calls["use_rslora"] is True and calls["r"] == 4
+
+
+def test_unsloth_is_refused_under_sharding_launchers():
+    from finetune.errors import UserError
+
+    for sharded in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(UserError, match=f"unsloth keeps a whole model on each GPU \\(DDP\\) and does not run under {sharded}"):
+            backends.check_launch("unsloth", sharded)
+    backends.check_launch("unsloth", "MULTI_GPU")
+    backends.check_launch("hf", "FSDP")
+
+
+def test_qlora_weights_are_stored_for_sharding_under_fsdp_and_zero3():
+    """FSDP and ZeRO-3 shard only parameters of one floating-point dtype: 4-bit weights must be stored in the
+    dtype of the others (bitsandbytes' default storage, uint8, cannot be sharded)."""
+    from finetune.model import four_bit_config
+
+    assert four_bit_config(torch.bfloat16, sharded=True).bnb_4bit_quant_storage == torch.bfloat16
+    assert four_bit_config(torch.bfloat16, sharded=False).bnb_4bit_quant_storage == torch.uint8

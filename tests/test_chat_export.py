@@ -415,3 +415,46 @@ def test_push_without_token_or_offline_keeps_the_local_export(trained, tmp_path)
     assert result.returncode == 1 and "the upload failed" in result.stderr and "Traceback" not in result.stderr
     assert TOKEN not in result.stdout + result.stderr
     assert (tmp_path / "b" / "adapter_model.safetensors").is_file()
+
+
+def test_panel_chat_models_are_shared_capped_and_unloaded(trained):
+    """The panel's chat models: one worker per model for the sessions that use it, at most `limit` loaded (the
+    least recently used goes), unloaded when their sessions leave them or when idle."""
+    from ui.chat_models import ChatModels
+
+    lora, qlora, gpt_oss = (trained(*kind) / "final" for kind in (("llama", "lora"), ("llama", "qlora"),
+                                                                   ("gpt-oss", "lora")))
+    models = ChatModels(limit=2, idle_s=3600)
+    try:
+        first = models.get("A", lora, base=False)
+        assert models.get("B", lora, base=False) is first  # one model, two sessions
+        second = models.get("B", qlora, base=False)  # B moves on; A still chats with the first
+        assert first.alive() and second.alive()
+        third = models.get("C", gpt_oss, base=False)  # a third one: the least recently used goes
+        assert not first.alive() and second.alive() and third.alive()
+        assert models.get("A", lora, base=False).reply([{"role": "user", "content": "I am zed."}]).answer
+        models.release_session("C")
+        assert not third.alive()
+        models.idle_s = 0
+        models.release_idle()
+        assert models.loaded() == []
+    finally:
+        models.release_all()
+
+
+def test_chat_and_export_of_a_run_logged_to_a_backend_missing_here(trained, tmp_path):
+    """A run logged with a back-end this machine lacks (wandb is not installed here) still chats and exports:
+    the saved recipe is not checked as if for training."""
+    import shutil
+
+    import yaml
+
+    copy = tmp_path / "final"
+    shutil.copytree(trained("llama", "lora") / "final", copy)
+    recipe = yaml.safe_load((copy / "finetune.yaml").read_text())
+    recipe["train"]["report_to"] = ["wandb"]
+    (copy / "finetune.yaml").write_text(yaml.safe_dump(recipe))
+    chat = run_cli("chat", str(copy), "--prompt", "I am zed.", "--temperature", "0", "--max-new-tokens", "8")
+    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr[-2000:]
+    export = run_cli("export", str(copy), "--out", str(tmp_path / "out"))
+    assert export.returncode == 0, export.stderr[-2000:]

@@ -65,6 +65,14 @@ def wait_for(condition, timeout: float = 300, every: float = 1.0):
     return result
 
 
+def chat_workers(panel: Panel) -> list[int]:
+    """The panel's chat model processes."""
+    from finetune.launcher import process_tree
+
+    return [pid for pid in process_tree(panel.process.pid)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 def group_gone(pid: int) -> bool:
     try:
         os.killpg(pid, 0)
@@ -123,6 +131,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert ok[1] == "✓ The recipe and its data are valid." and "builtin:greetings" in ok[0]
         launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
+        assert launched[4].startswith("run-") and not (workspace / "runs" / launched[4]).exists()  # the next name
         pid = json.loads((workspace / ".launches" / "r1.json").read_text())["pid"]
 
         # The panel goes away; the run does not; a new panel finds it and sees it progress.
@@ -150,6 +159,17 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         for history in (tuned, base):
             assert [m["role"] for m in history] == ["user", "assistant"]
             assert history[1]["content"][0]["text"].strip()
+        assert len(chat_workers(panel)) == 2
+
+        # Resume: the chat models make room for the run, which goes on from its checkpoint.
+        resumed = api.predict("r1", api_name="/resume")
+        assert "Resumed from its newest complete checkpoint (unloaded 2 chat models)" in resumed
+        assert chat_workers(panel) == []
+        step = json.loads(rows[-1])["step"]
+        wait_for(lambda: max((row[0] for row in api.predict("r1", api_name="/progress")[1]["data"]), default=0) > step)
+        assert "r1 · stopped" in api.predict("r1", api_name="/stop")
+        progress = [json.loads(line) for line in (workspace / "runs" / "r1" / "progress.jsonl").read_text().splitlines()]
+        assert [row["resumed"]["from"] for row in progress if "resumed" in row] == [f"checkpoint-{step}"]
 
         exported, token_line = api.predict("r1", "final", "r1-bf16", False, "bf16", "", True, api_name="/export")
         assert "exported the model to" in exported and "checked: logits within" in exported
@@ -172,6 +192,45 @@ def test_stop_forces_a_run_that_ignores_sigterm(tmp_path):
     assert workspace.run("stubborn").status == "starting"
     assert workspace.stop("stubborn", grace_s=1) == "killed"
     assert group_gone(pid) and workspace.run("stubborn").status == "failed"
+
+
+def test_a_run_started_from_the_command_line_shows_running_and_stops(tmp_path):
+    from ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path)
+    workspace.create()
+    run = tmp_path / "runs" / "from-cli"
+    process = subprocess.Popen([sys.executable, "-m", "finetune", "train", "quickstart", f"output_dir={run}",
+                                "method=lora", *LONG_RUN.splitlines()], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (run / "progress.jsonl").exists() and (run / "progress.jsonl").read_text().count("loss") >= 2)
+    info = workspace.run("from-cli")
+    assert info.status == "running" and not info.resumable
+    assert workspace.stop("from-cli") == "stopped"
+    assert process.wait(timeout=60) == 0
+    info = workspace.run("from-cli")
+    assert info.status == "stopped" and info.resumable
+
+
+def test_stop_never_signals_a_process_group_that_is_no_longer_the_runs(tmp_path):
+    """After a restart, a launch record's process id may belong to another program by now."""
+    from finetune.launcher import start_time
+    from ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path)
+    workspace.create()
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        record = {"pid": stranger.pid, "leader_started": start_time(stranger.pid) - 1000,
+                  "command": ["finetune", "train"], "started": time.time() - 3600}
+        (tmp_path / ".launches" / "old.json").write_text(json.dumps(record))
+        assert workspace.run("old").status == "failed"
+        assert workspace.stop("old") == "not running"
+        time.sleep(0.5)
+        assert stranger.poll() is None  # untouched
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def chromium() -> str:
@@ -202,6 +261,8 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
             page.get_by_label("More settings (key=value, one per line)").fill(LONG_RUN)
             page.get_by_role("button", name="Launch").click()
             page.get_by_text("Launched browser-run").wait_for(timeout=120_000)
+            next_name = page.get_by_label("Run name").input_value()
+            assert next_name.startswith("run-")  # a second Launch would not collide with the first
             page.screenshot(path=ARTIFACTS / "panel-train.png", full_page=True)
             page.get_by_role("tab", name="Live").click()
             page.get_by_text("browser-run · running").wait_for(timeout=180_000)

@@ -150,3 +150,19 @@ def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
     assert f"{data} line 2: not valid JSON" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_two_runs_in_one_process_keep_their_logs_apart_and_leave_no_handlers(tmp_path):
+    script = f"""
+import logging, signal
+from finetune.training_run import run
+handlers = lambda: {{name: list(logging.getLogger(name).handlers) for name in ("finetune", "transformers", "trl")}}
+before = handlers(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+for name in ("first", "second"):
+    run("quickstart", ["output_dir={tmp_path}/" + name, *{SHORT!r}])
+assert (handlers(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = (tmp_path / "first" / "train.log").read_text()
+    assert f"run folder {tmp_path}/first" in first and f"{tmp_path}/second" not in first

@@ -10,11 +10,11 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-import time
 
 import gradio as gr
 import pandas as pd
 
+from ui.chat_models import ChatModels
 from ui.workspace import FIELDS, PanelError, RunInfo, Workspace, check_name
 
 ONE_PROCESS = "one process (finetune train)"
@@ -25,8 +25,8 @@ footer {display: none !important;}
 """
 
 
-def build_app(workspace: Workspace) -> gr.Blocks:
-    chats: dict[tuple[str, bool], object] = {}  # (model folder, base?) -> ChatWorker
+def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Blocks:
+    models = models or ChatModels()
 
     with gr.Blocks(title="finetune") as app:
         gr.Markdown(f"# finetune\nWorkspace `{workspace.root}` · runs keep going when this page or the panel closes.")
@@ -38,7 +38,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 launcher = gr.Dropdown([ONE_PROCESS, *workspace.accelerate_config_names()], value=ONE_PROCESS,
                                        label="Launch with", scale=1)
             with gr.Row():
-                run_name = gr.Textbox(label="Run name", value=f"run-{time.strftime('%Y%m%d-%H%M%S')}")
+                run_name = gr.Textbox(label="Run name", value=workspace.free_run_name)  # a fresh one per page
                 fields = {label: gr.Textbox(label=label) for label in FIELDS}
             extra = gr.Textbox(label="More settings (key=value, one per line)", lines=2,
                                placeholder="train.max_steps=200\ntrain.per_device_train_batch_size=4")
@@ -55,6 +55,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             with gr.Row():
                 live_run = gr.Dropdown(label="Run", choices=[], scale=3, allow_custom_value=True)
                 stop_button = gr.Button("Stop", variant="stop", scale=1)
+                resume_button = gr.Button("Resume", scale=1)
             live_status = gr.Markdown(elem_classes="status-card")
             with gr.Row():
                 loss_plot = gr.LinePlot(x="step", y="loss", title="Loss", y_title="loss", y_axis_format=".3f",
@@ -140,12 +141,15 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 ok, text = workspace.validate(recipe_name, overrides, name)
                 if not ok:
                     return (text, f"⚠ Not launched: {text.removeprefix('error: ')}", _field_error(text),
-                            gr.update())
-                workspace.launch(workspace.command(recipe_name, overrides, name, _accelerate(launch_with)), name)
+                            gr.update(), gr.update())
+                command = workspace.command(recipe_name, overrides, name, _accelerate(launch_with))
+                unloaded = models.release_all()  # the run's processes get the GPU memory chat models held
+                workspace.launch(command, name)
             except PanelError as error:
-                return "", f"⚠ {error}", "", gr.update()
-            return (text, f"✓ Launched **{name}**: follow it in the Live tab.", "",
-                    gr.update(choices=_run_names(workspace), value=name))
+                return "", f"⚠ {error}", "", gr.update(), gr.update()
+            note = f" (unloaded {unloaded} chat model{'s' if unloaded > 1 else ''} to free its memory)" if unloaded else ""
+            return (text, f"✓ Launched **{name}**{note}: follow it in the Live tab.", "",
+                    gr.update(choices=_run_names(workspace), value=name), workspace.free_run_name())
 
         def uploaded(file):
             if file is None:
@@ -164,7 +168,7 @@ def build_app(workspace: Workspace) -> gr.Blocks:
             component.change(preview, train_inputs, command_view, show_progress="hidden")
         validate_button.click(validate, train_inputs, [validation, train_message, field_errors, report],
                               api_name="validate")
-        launch_button.click(launch, train_inputs, [validation, train_message, field_errors, live_run],
+        launch_button.click(launch, train_inputs, [validation, train_message, field_errors, live_run, run_name],
                             api_name="launch")
         app.load(fill_fields, recipe, [*fields.values(), train_message])
         app.load(preview, train_inputs, command_view)
@@ -190,10 +194,23 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 return f"⚠ {error}"
             return _status_card(workspace.run(name)) + f"\n\nStop: {how}."
 
+        def resume(name):
+            if not name:
+                return "No run selected."
+            try:
+                unloaded = models.release_all()
+                workspace.resume(name)
+            except PanelError as error:
+                return f"⚠ {error}"
+            note = f" (unloaded {unloaded} chat model{'s' if unloaded > 1 else ''})" if unloaded else ""
+            return _status_card(workspace.run(name)) + f"\n\nResumed from its newest complete checkpoint{note}."
+
         live_outputs = [live_status, loss_plot, lr_plot, log_tail]
         live_run.change(live, live_run, live_outputs, api_name="progress")
         timer.tick(live, live_run, live_outputs, show_progress="hidden")
+        timer.tick(models.release_idle, None, None, show_progress="hidden")
         stop_button.click(stop, live_run, live_status, api_name="stop")
+        resume_button.click(resume, live_run, live_status, api_name="resume")
 
         # Runs
         def runs_overview(selected):
@@ -234,17 +251,8 @@ def build_app(workspace: Workspace) -> gr.Blocks:
         export_run.change(checkpoints_of, export_run, export_checkpoint)
         side_by_side.change(lambda on: gr.update(visible=on), side_by_side, base_chat)
 
-        def worker(folder, base: bool):
-            from finetune.chat import ChatWorker  # light: the model loads in the worker's own process
-
-            key = (str(folder), base)
-            if key not in chats:
-                for old_key in [k for k in chats if k[1] == base]:
-                    chats.pop(old_key).close()
-                chats[key] = ChatWorker(folder, base=base)
-            return chats[key]
-
-        def send(text, run, checkpoint, system_prompt, temp, max_tokens, both, tuned_history, base_history):
+        def send(text, run, checkpoint, system_prompt, temp, max_tokens, both, tuned_history, base_history,
+                 request: gr.Request):
             from finetune.chat import Piece, Sampling
             from finetune.errors import UserError
 
@@ -258,19 +266,19 @@ def build_app(workspace: Workspace) -> gr.Blocks:
                 return
             sampling = Sampling(max_new_tokens=int(max_tokens), temperature=float(temp))
             histories = {False: list(tuned_history or []), True: list(base_history or [])}
-            models = [False, True] if both else [False]
+            sides = [False, True] if both else [False]
             conversations = {}
-            for base in models:  # the question shows in every chat at once; answers follow one model at a time
+            for base in sides:  # the question shows in every chat at once; answers follow one model at a time
                 earlier = [{"role": m["role"], "content": _text(m["content"])} for m in histories[base]
                            if not m.get("metadata")]  # reasoning bubbles are display only
                 system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
                 conversations[base] = [*system_turn, *earlier, {"role": "user", "content": text}]
                 histories[base].append({"role": "user", "content": text})
             yield histories[False], histories[True], "", ""
-            for base in models:
+            for base in sides:
                 shown = {}  # kind -> the bubble it streams into
                 try:
-                    for item in worker(folder, base).stream(conversations[base], sampling):
+                    for item in models.get(request.session_hash, folder, base).stream(conversations[base], sampling):
                         if isinstance(item, Piece):
                             if item.kind not in shown:
                                 shown[item.kind] = {"role": "assistant", "content": ""}
@@ -288,6 +296,11 @@ def build_app(workspace: Workspace) -> gr.Blocks:
 
         message.submit(send, [message, chat_run, chat_checkpoint, system, temperature, max_new_tokens, side_by_side,
                               tuned_chat, base_chat], [tuned_chat, base_chat, message, chat_notice], api_name="chat")
+
+        def session_closed(request: gr.Request):
+            models.release_session(request.session_hash)
+
+        app.unload(session_closed)
 
         # Export
         def export(run, checkpoint, name, merged, weights, repo, is_private):
@@ -364,6 +377,8 @@ def _status_card(info: RunInfo) -> str:
         ]))
     if info.status == "failed" and info.rows and info.rows[-1].get("error"):
         parts.append(f"Error: `{info.rows[-1]['error']}`")
+    if info.resumable:
+        parts.append("**Resume** continues it from its newest complete checkpoint.")
     return "\n\n".join(parts)
 
 

@@ -1,13 +1,16 @@
 """The panel's workspace and its runs, without torch or gradio: what the panel reads, writes and starts.
 
     WORKSPACE/recipes/     recipes uploaded through the panel (shipped ones come from configs/)
-    WORKSPACE/runs/NAME/   run folders, written by the runs themselves (see finetune/run_folder.py)
+    WORKSPACE/runs/NAME/   run folders, written by the runs themselves (finetune/run_folder.py says what is in them)
     WORKSPACE/exports/     exports
-    WORKSPACE/.launches/   one record (NAME.json: command, process group, start time) and console log per launch
+    WORKSPACE/.launches/   one record (NAME.json: command, process group, when its leader started) and console log
+                           per launch
 
 Every path the panel accepts is a name resolved inside these folders; runs are started as argument lists, each in
 its own process group, so closing the panel does not stop them and a stop reaches every DDP rank. A restarted panel
-finds its runs again from their folders and launch records.
+finds its runs again from their folders and launch records, and a run started from the command line in the
+workspace shows too. A process is signalled only once it is known to be the run's: the run's own lock says who
+runs it, and a launch record's process group counts only while its leader is the process that was started.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from finetune import run_folder
+from finetune.launcher import process_tree, start_time
 from finetune.resources import accelerate_configs_dir, recipes_dir
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -48,9 +53,11 @@ class RunInfo:
     rows: list[dict]
     started: float | None
 
+    resumable: bool = False  # stopped or failed, with a complete checkpoint to continue from
+
     @property
     def train_rows(self) -> list[dict]:
-        return [row for row in self.rows if "loss" in row]
+        return run_folder.training_rows(self.rows)
 
     @property
     def last(self) -> dict:
@@ -58,7 +65,8 @@ class RunInfo:
 
     @property
     def duration_s(self) -> float | None:
-        return self.rows[-1]["elapsed_s"] if self.rows and "elapsed_s" in self.rows[-1] else None
+        timed = [row for row in self.rows if "elapsed_s" in row]
+        return timed[-1]["elapsed_s"] if timed else None
 
     @property
     def eta_s(self) -> float | None:
@@ -142,59 +150,110 @@ class Workspace:
         result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=900)
         return result.returncode == 0, (result.stdout if result.returncode == 0 else result.stderr).strip()
 
-    def launch(self, command: list[str], run_name: str) -> int:
+    def launch(self, command: list[str], run_name: str, resuming: bool = False) -> int:
         """Start a run in its own process group; returns its process id (= its group id)."""
         self.create()
         record = self.launches / f"{check_name(run_name, 'run name')}.json"
-        if record.exists() or self.run_folder(run_name).exists():
+        if not resuming and (record.exists() or self.run_folder(run_name).exists()):
             raise PanelError(f"a run named {run_name!r} exists already; choose another name")
-        with open(self.launches / f"{run_name}.log", "w", encoding="utf-8") as console:
+        with open(self.launches / f"{run_name}.log", "a" if resuming else "w", encoding="utf-8") as console:
             process = subprocess.Popen(command, cwd=self.root, stdout=console, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        record.write_text(json.dumps({"pid": process.pid, "command": command, "started": time.time()}),
-                          encoding="utf-8")
+        record.write_text(json.dumps({"pid": process.pid, "leader_started": start_time(process.pid),
+                                      "command": command, "started": time.time()}), encoding="utf-8")
         return process.pid
 
+    def free_run_name(self) -> str:
+        """A default name for the next run, not taken yet."""
+        stem = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+        name, number = stem, 1
+        while (self.launches / f"{name}.json").exists() or self.run_folder(name).exists():
+            number += 1
+            name = f"{stem}-{number}"
+        return name
+
+    def resume(self, name: str) -> int:
+        """Continue a stopped or failed run from its newest complete checkpoint, launched as it was before."""
+        info = self.run(name)
+        if not info.resumable:
+            why = "it has no complete checkpoint" if info.status in ("stopped", "failed") else f"it is {info.status}"
+            raise PanelError(f"run {name!r} cannot be resumed: {why}")
+        folder = self.run_folder(name)
+        before = (self._launch_record(name) or {}).get("command", [])
+        launcher = before[before.index("--accelerate-config"):][:2] if "--accelerate-config" in before else []
+        command = [sys.executable, "-m", "finetune", "train", str(folder / run_folder.CONFIG_NAME),
+                   f"output_dir={folder}", "--resume", *launcher]
+        return self.launch(command, name, resuming=True)
+
     def runs_list(self) -> list[RunInfo]:
-        names = {path.name for path in self.runs.glob("*") if path.is_dir()}
-        names |= {path.stem for path in self.launches.glob("*.json")}
+        names = {path.name for path in self.runs.glob("*") if path.is_dir() and NAME.match(path.name)}
+        names |= {path.stem for path in self.launches.glob("*.json") if NAME.match(path.stem)}
         infos = [self.run(name) for name in names]
         return sorted(infos, key=lambda info: info.started or 0, reverse=True)
 
     def run(self, name: str) -> RunInfo:
         folder = self.run_folder(name)
-        rows = read_progress(folder / "progress.jsonl")
+        rows = run_folder.read_rows(folder)
         launch = self._launch_record(name)
         started = launch["started"] if launch else (folder.stat().st_mtime if folder.exists() else None)
-        if rows and "status" in rows[-1]:
-            status = rows[-1]["status"]
-        elif launch and group_alive(launch["pid"]):
-            status = "running" if rows else "starting"
+        ended = run_folder.final_status(rows)
+        if run_folder.running(folder) is not None:
+            status = "running"  # started here or from the command line: its main process holds the run's lock
+        elif launch and self._launched_group(launch) is not None:
+            progress = folder / run_folder.PROGRESS_NAME
+            earlier = ended and progress.stat().st_mtime < launch["started"]  # the status of a run now resumed
+            status = "starting" if not ended or earlier else ended["status"]
+        elif ended:
+            status = ended["status"]
         else:
             status = "failed"  # ended without its status line: killed, or failed before training began
-        return RunInfo(name, status, rows, started)
+        resumable = status in ("stopped", "failed") and run_folder.latest_checkpoint(folder) is not None
+        return RunInfo(name, status, rows, started, resumable)
 
     def stop(self, name: str, grace_s: float = 120) -> str:
         """Stop gracefully (SIGTERM: a checkpoint at the end of the step, status stopped), then by force; returns
         how it ended. Afterwards no process of the run is left."""
-        launch = self._launch_record(name)
-        if not launch or not group_alive(launch["pid"]):
+        group = self._launched_group(self._launch_record(name) or {})
+        holder = run_folder.running(self.run_folder(name))
+        if group is None and holder is None:
             return "not running"
-        group = launch["pid"]
-        _signal_group(group, signal.SIGTERM)
+        # A run the panel launched gets the signal as its whole process group; one started from the command line,
+        # at its main process (which tells the others).
+        if group is not None:
+            _signal_group(group, signal.SIGTERM)
+        else:
+            _signal(holder["pid"], signal.SIGTERM)
+        alive = (lambda: group_alive(group)) if group is not None else \
+            (lambda: run_folder.running(self.run_folder(name)) is not None)
         deadline = time.monotonic() + grace_s
-        while group_alive(group) and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             time.sleep(0.5)
-        if not group_alive(group):
+        if not alive():
             return "stopped"
-        _signal_group(group, signal.SIGKILL)
-        while group_alive(group):
+        leader = group if group is not None else holder["pid"]
+        for pid in [*process_tree(leader), leader]:  # training processes may sit in sessions of their own
+            _signal(pid, signal.SIGKILL)
+        if group is not None:
+            _signal_group(group, signal.SIGKILL)
+        while alive():
             time.sleep(0.2)
         return "killed"
 
+    def _launched_group(self, launch: dict) -> int | None:
+        """The launch record's process group while it still is the run's: its leader is the very process the panel
+        started (same start time), or has ended while others of its group go on (a group id is not given out again
+        while the group has members). A process id the system has since given to another program is not the run's."""
+        group = launch.get("pid")
+        if group is None or not group_alive(group):
+            return None
+        leader_started = start_time(group)
+        if leader_started is not None and leader_started != launch.get("leader_started"):
+            return None
+        return group
+
     def console_tail(self, name: str, lines: int = 40) -> str:
         """The last lines the run printed (progress bars reduced to their last state)."""
-        for path in (self.run_folder(name) / "train.log", self.launches / f"{check_name(name, 'run name')}.log"):
+        for path in (self.run_folder(name) / run_folder.LOG_NAME, self.launches / f"{check_name(name, 'run name')}.log"):
             if path.is_file() and path.stat().st_size:
                 text = path.read_text(encoding="utf-8", errors="replace")
                 cleaned = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
@@ -203,17 +262,13 @@ class Workspace:
 
     def checkpoints(self, name: str) -> list[str]:
         folder = self.run_folder(name)
-        found = sorted((path.name for path in folder.glob("checkpoint-*") if path.is_dir()),
-                       key=lambda n: int(n.rsplit("-", 1)[-1]))
-        return (["final"] if (folder / "final").is_dir() else []) + found[::-1]
+        complete = [path.name for path in run_folder.checkpoints(folder)]
+        return (["final"] if (folder / run_folder.FINAL_NAME).is_dir() else []) + complete[::-1]
 
     def model_folder(self, run: str, checkpoint: str) -> Path:
-        if checkpoint != "final" and not re.fullmatch(r"checkpoint-\d+", checkpoint or ""):
-            raise PanelError(f"no checkpoint named {checkpoint!r}")
-        path = self.run_folder(run) / checkpoint
-        if not path.is_dir():
-            raise PanelError(f"run {run!r} has no {checkpoint}")
-        return path
+        if checkpoint not in self.checkpoints(run):
+            raise PanelError(f"run {run!r} has no complete {checkpoint!r}")
+        return self.run_folder(run) / checkpoint
 
     def _launch_record(self, name: str) -> dict | None:
         path = self.launches / f"{check_name(name, 'run name')}.json"
@@ -224,18 +279,6 @@ def check_name(name: str, what: str) -> str:
     if not isinstance(name, str) or not NAME.match(name):
         raise PanelError(f"{what} {name!r}: use letters, digits, '.', '_' and '-' (no paths)")
     return name
-
-
-def read_progress(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            break
-    return rows
 
 
 def group_alive(group: int) -> bool:
@@ -260,5 +303,12 @@ def _reap(pid: int) -> None:
 def _signal_group(group: int, signum: int) -> None:
     try:
         os.killpg(group, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
     except ProcessLookupError:
         pass

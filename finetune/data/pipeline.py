@@ -71,9 +71,18 @@ def _cache_key(train_sources, eval_sources, settings, tokenizer, template) -> st
         tokenizer.special_tokens_map,
         template,
         [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.glob("*.py"))],
+        _library_versions(),
     ):
         digest.update(json.dumps(part, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:24]
+
+
+def _library_versions() -> dict[str, str]:
+    """The libraries whose code shapes the prepared data: rendering and masks (transformers, tokenizers), TRL's
+    packing and training templates, and the datasets format on disk."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("trl", "transformers", "tokenizers", "datasets")}
 
 
 def _load(folder: Path) -> PreparedData:
