@@ -46,7 +46,7 @@ def requested(recipe_path: str, overrides: list[str]) -> str:
     try:
         raw = yaml.safe_load(find_recipe(recipe_path).read_text(encoding="utf-8")) or {}
         return str(raw.get("model", {}).get("backend", "auto"))
-    except (UserError, yaml.YAMLError, AttributeError):
+    except (UserError, yaml.YAMLError, AttributeError, OSError, ValueError):
         return "auto"
 
 

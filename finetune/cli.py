@@ -269,7 +269,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     from finetune import backends, resuming
     from finetune.config import load_recipe
     from finetune.data.pipeline import prepare
-    from finetune.model import load_tokenizer
+    from finetune.model import load_tokenizer, model_config
     from finetune.run_folder import check_free, check_writable, read_rows
 
     recipe = load_recipe(recipe_path, overrides)
@@ -292,6 +292,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
         check_free(recipe.output_dir)
     check_writable(recipe.output_dir)
     tokenizer = load_tokenizer(recipe)
+    model_config(recipe)
     return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report
 
 
@@ -299,10 +300,9 @@ def _launch_settings(accelerate_config) -> dict:
     """What the accelerate config says about the processes it starts (num_processes, distributed_type)."""
     if accelerate_config is None:
         return {}
-    import yaml
+    from finetune.yaml_files import read_mapping
 
-    settings = yaml.safe_load(open(accelerate_config, encoding="utf-8")) or {}
-    return settings if isinstance(settings, dict) else {}
+    return read_mapping(accelerate_config, "accelerate config", "distributed_type:, num_processes:, ...")
 
 
 def _indent(text: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ import yaml
 from finetune.errors import UserError
 from finetune.resources import find_recipe
 from finetune.typecheck import coerce
+from finetune.yaml_files import read_mapping
 
 Method = Literal["lora", "qlora", "full"]
 
@@ -102,6 +104,10 @@ class DataSection:
     bad_rows: Literal["fail", "drop"] = field(
         default="fail", metadata={"help": "fail: stop and list them; drop: skip them and report the count."}
     )
+    too_long: Literal["drop", "fail"] = field(
+        default="drop", metadata={"help": "Rows whose tokens that carry loss all lie past train.max_length: drop "
+                                          "them (the count is reported), or fail listing them."}
+    )
     max_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows of each split."})
     template_date: str = field(
         default="2024-07-26",
@@ -171,12 +177,7 @@ SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection}
 def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a recipe file (or the name of a shipped recipe), apply overrides, validate, fill defaults."""
     path = find_recipe(recipe)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {error}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a recipe is a mapping of keys (model:, data:, train:, ...), not {type(raw).__name__}")
+    raw = read_mapping(path, "recipe", "model:, data:, train:, ...")
     raw.setdefault("output_dir", str(Path("runs") / path.stem))
     origins: dict[str, str] = {}
     for override in overrides:
@@ -318,6 +319,8 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
     for name in ("r", "alpha"):
         if getattr(recipe.lora, name) <= 0:
             raise UserError(f"{origin('lora.' + name)}: lora.{name} must be a positive whole number")
+    if not 0 <= recipe.lora.dropout < 1:
+        raise UserError(f"{origin('lora.dropout')}: lora.dropout must be at least 0 and below 1")
     if recipe.data.max_rows is not None and recipe.data.max_rows <= 0:
         raise UserError(f"{origin('data.max_rows')}: data.max_rows must be a positive whole number")
     try:
@@ -341,8 +344,7 @@ def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]
         train[key] = coerce(value, fields[key], f"train.{key}", where)
     if for_training:
         _check_report_to(train.get("report_to"), origin("train.report_to"))
-    if train.get("max_length") is None or train["max_length"] <= 0:
-        raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
+    _check_numbers(train, origin)
     if train.get("bf16") and train.get("fp16"):
         raise UserError(f"{origin('train.fp16')}: train.bf16 and train.fp16 both ask for mixed precision; keep one")
     has_eval = recipe.data.eval or recipe.data.eval_fraction
@@ -358,6 +360,32 @@ def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]
     except ValueError as error:
         raise UserError(f"{origin('train')}: {error}") from None
     return train
+
+
+LARGEST_COUNT = 2**31 - 1  # beyond it counts overflow, and no run is that long
+LONGEST_EPOCHS = 100_000
+
+
+def _check_numbers(train: dict[str, Any], origin) -> None:
+    """Sizes, counts and rates that SFTConfig accepts but that would fail (or run forever) once training starts."""
+    def refuse(key: str, allowed: str) -> None:
+        raise UserError(f"{origin('train.' + key)}: train.{key} must be {allowed}, got {train[key]!r}")
+
+    for key in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
+                "gradient_accumulation_steps"):
+        if train.get(key) is None and key == "max_length":
+            raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
+        if train.get(key) is not None and not 0 < train[key] <= LARGEST_COUNT:
+            refuse(key, f"a positive whole number (at most {LARGEST_COUNT:,})")
+    epochs = train.get("num_train_epochs")
+    if epochs is not None and not (math.isfinite(epochs) and 0 < epochs <= LONGEST_EPOCHS):
+        refuse("num_train_epochs", f"above 0 and at most {LONGEST_EPOCHS:,}")
+    steps = train.get("max_steps")
+    if steps is not None and steps != -1 and not 0 < steps <= LARGEST_COUNT:
+        refuse("max_steps", f"-1 (train for num_train_epochs) or a positive whole number up to {LARGEST_COUNT:,}")
+    rate = train.get("learning_rate")
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        refuse("learning_rate", "a finite number above 0")
 
 
 def _check_report_to(report_to: Any, where: str) -> None:

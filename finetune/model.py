@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune import builtin
+from finetune import builtin, hub
 from finetune.data.render import training_template
 from finetune.errors import UserError
 
@@ -18,24 +18,53 @@ from finetune.errors import UserError
 def load_tokenizer(recipe):
     from transformers import AutoTokenizer
 
-    source = builtin.resolve_model(recipe.model.name_or_path)
+    source = _local_or_available(recipe)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
     except OSError as error:
         raise UserError(f"model.name_or_path: cannot load a tokenizer from {source!r}: {_first_line(error)}") from None
-    template = tokenizer.chat_template
+    template, where = tokenizer.chat_template, f"the chat template of {source}"
     if recipe.model.chat_template:
         path = Path(recipe.model.chat_template).expanduser()
         if not path.is_file():
             raise UserError(f"model.chat_template: {path} does not exist")
-        template = path.read_text(encoding="utf-8")
+        try:
+            template, where = path.read_text(encoding="utf-8"), f"model.chat_template {path}"
+        except UnicodeDecodeError:
+            raise UserError(f"model.chat_template: {path} is not UTF-8 text") from None
     if template:
+        _check_template(template, where)
         tokenizer.chat_template = training_template(tokenizer, template)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _check_template(template: str, where: str) -> None:
+    """A chat template that is not valid Jinja fails once, here, rather than once per row."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as error:
+        line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
+        raise UserError(f"{where} is not a valid Jinja template{line}: {error.message}") from None
+
+
+def _local_or_available(recipe) -> str:
+    """Where the recipe's model loads from: a local folder (builtins made on first use), or a Hub name that can be
+    loaded now (else a UserError at once, without the libraries' minute of retries)."""
+    source = builtin.resolve_model(recipe.model.name_or_path)
+    if Path(source).expanduser().exists():
+        return source
+    if not hub.looks_like_hub_name(source):
+        raise UserError(f"model.name_or_path: {source} does not exist (no such folder; relative paths start from "
+                        f"the folder finetune runs in, {Path.cwd()})")
+    hub.check_available(source, "model.name_or_path")
+    return source
 
 
 def training_precision(train: dict) -> dict:
@@ -82,16 +111,34 @@ def _placement():
     return {"": state.device}
 
 
-def load_hf_model(recipe, precision: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+def model_config(recipe):
+    """The model's configuration (no weights), checked against the recipe: what validation can know of the model."""
+    from transformers import AutoConfig
 
-    source = builtin.resolve_model(recipe.model.name_or_path)
+    source = _local_or_available(recipe)
     try:
         config = AutoConfig.from_pretrained(
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
     except (OSError, ValueError) as error:
         raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(error)}") from None
+    if is_mxfp4(config) and recipe.method == "qlora":
+        raise UserError(
+            f"method qlora: {source} is an MXFP4 checkpoint, which bitsandbytes cannot requantize (its experts are "
+            "not Linear layers); use method=lora (bf16), or model.backend=unsloth with Unsloth's 4-bit checkpoint"
+        )
+    return config
+
+
+def is_mxfp4(config) -> bool:
+    return (getattr(config, "quantization_config", None) or {}).get("quant_method") == "mxfp4"
+
+
+def load_hf_model(recipe, precision: dict):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    source = _local_or_available(recipe)
+    config = model_config(recipe)
     dtype = weights_dtype(recipe, precision)
     kwargs = {
         "dtype": dtype,
@@ -100,13 +147,7 @@ def load_hf_model(recipe, precision: dict):
         "device_map": _placement(),
         "attn_implementation": recipe.model.attn_implementation or default_attention(config),
     }
-    mxfp4 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "mxfp4"
-    if mxfp4 and recipe.method == "qlora":
-        raise UserError(
-            f"method qlora: {source} is an MXFP4 checkpoint, which bitsandbytes cannot requantize (its experts are "
-            "not Linear layers); use method=lora (bf16), or model.backend=unsloth with Unsloth's 4-bit checkpoint"
-        )
-    if mxfp4:
+    if is_mxfp4(config):
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # MXFP4 weights have no gradients: train in bf16
     if recipe.method == "qlora":
         kwargs["quantization_config"] = four_bit_config(dtype, sharded=kwargs["device_map"] is None)

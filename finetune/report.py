@@ -23,7 +23,8 @@ def describe_data(report: dict) -> str:
         )
         if stats["dropped_no_trained_tokens"]:
             lines.append(
-                f"    {stats['dropped_no_trained_tokens']:,} rows dropped: nothing to learn within max_length"
+                f"    {stats['dropped_no_trained_tokens']:,} rows dropped: nothing to learn within max_length "
+                "(data.too_long=fail lists them)"
             )
         if "packed_rows" in stats:
             lines.append(

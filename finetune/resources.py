@@ -28,8 +28,8 @@ def accelerate_configs_dir() -> Path:
 
 def _find(name_or_path: str | Path, folder: Path, what: str) -> Path:
     path = Path(name_or_path)
-    if path.is_file():
-        return path
+    if path.is_file() or path.is_dir():
+        return path  # a folder is refused with the reason by whoever reads it
     shipped = folder / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
     if len(path.parts) == 1 and shipped.is_file():
         return shipped

@@ -22,7 +22,7 @@ from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
 from finetune.errors import RunFailed, UserError
-from finetune.model import load_model, load_tokenizer, training_precision
+from finetune.model import load_model, load_tokenizer, model_config, training_precision
 from finetune.report import describe_data
 from finetune.resuming import ResumePoint, check_global_batch, check_same_run, resume_point
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
@@ -67,6 +67,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     # On each machine its main process builds builtins and prepares the data first; the others then read them.
     with state.local_main_process_first():
         tokenizer = load_tokenizer(recipe)
+        model_config(recipe)  # a model that cannot load is found before the data is prepared
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     if state.is_main_process:
         print(why, describe_data(data.report), sep="\n", flush=True)

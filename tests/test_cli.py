@@ -43,7 +43,7 @@ def test_validate_prints_config_and_data_report(tmp_path):
         ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\nmethod: full\nlora: {r: 8}\n",
          [], "method is full"),
         ("model: {name_or_path: ./no/such/model}\ndata: {train: builtin:greetings}\n", [],
-         "cannot load a tokenizer from './no/such/model'"),
+         "model.name_or_path: ./no/such/model does not exist (no such folder; relative paths start from"),
         ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: missing.jsonl}\n", [], "does not exist"),
     ],
 )

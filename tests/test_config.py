@@ -95,7 +95,7 @@ def test_wrong_value_lists_choices(tmp_path):
 
 def test_contradictions_are_explained(tmp_path):
     assert "method is full" in error_of(tmp_path, MINIMAL + "method: full\nlora: {r: 8}\n")
-    message = error_of(tmp_path, MINIMAL + "data: {train: a.jsonl, eval: b.jsonl, eval_fraction: 0.1}\n")
+    message = error_of(tmp_path, MINIMAL, "data.eval=b.jsonl", "data.eval_fraction=0.1")
     assert "data.eval and data.eval_fraction" in message
     assert "train.bf16 and train.fp16" in error_of(tmp_path, MINIMAL, "train.bf16=true", "train.fp16=true")
     assert "train.eval_strategy needs eval data" in error_of(tmp_path, MINIMAL, "train.eval_strategy=steps")

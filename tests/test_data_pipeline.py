@@ -85,7 +85,9 @@ def test_unknown_format_and_missing_paths(tmp_path):
 
 
 def test_hub_dataset_offline_is_a_clear_error(tmp_path):
-    with pytest.raises(UserError, match="'someone/no-such-dataset': not a local file or folder, and loading it from"):
+    with pytest.raises(UserError, match="data.train: 'someone/no-such-dataset' is not a local file or folder, it is "
+                                        "not in the local Hugging Face cache, and the Hub cannot be asked "
+                                        r"\(HF_HUB_OFFLINE is set\)"):
         run(recipe_for(tmp_path, "someone/no-such-dataset"))
 
 

@@ -51,14 +51,15 @@ def test_two_machines_train_like_one(tmp_path):
 
 def test_slurm_script_starts_one_launcher_per_node(tmp_path):
     """Run the batch script with stand-ins for srun (two nodes) and scontrol, and for accelerate, which records its
-    arguments: every node launches with its own machine rank and the first node's address."""
+    arguments: every node launches with its own machine rank and the first node's address, and lets a checkpoint
+    written after scancel take its time."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         # a long node list, as on a big cluster: more than a pipe holds, so a reader that stops early breaks it
         "scontrol": 'printf "gpu-node-a\\ngpu-node-b\\n"; seq 100000 | sed s/^/gpu-node-/\n',
         "srun": 'for node in 0 1; do SLURM_NODEID=$node "$@"; done\n',
-        "accelerate": f'echo "$SLURM_NODEID $*" >> {tmp_path / "launches.txt"}\n',
+        "accelerate": f'echo "$SLURM_NODEID $TORCH_ELASTIC_SHUTDOWN_TIMEOUT $*" >> {tmp_path / "launches.txt"}\n',
     }
     for name, body in stubs.items():
         path = bin_dir / name
@@ -72,8 +73,9 @@ def test_slurm_script_starts_one_launcher_per_node(tmp_path):
     launches = (tmp_path / "launches.txt").read_text().splitlines()
     assert len(launches) == 2
     for rank, line in enumerate(launches):
-        node, *args = line.split()
+        node, shutdown_timeout, *args = line.split()
         assert node == str(rank)
+        assert shutdown_timeout == "600"  # the launcher leaves a stopped run time for its checkpoint
         assert " ".join(args) == (
             "launch --config_file accelerate_configs/multi_node_ddp.yaml --num_machines 2 --num_processes 16 "
             f"--machine_rank {rank} --main_process_ip gpu-node-a --main_process_port 29500 "

@@ -56,10 +56,11 @@ def detect_format(row: dict[str, Any], columns: dict[str, str]) -> str | None:
 def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_prompt: str | None,
               thinking_marker: str | None = None) -> dict[str, Any]:
     def field(name: str, required: bool = True) -> Any:
-        value = _lookup(row, columns.get(name, name))
+        source = columns.get(name, name)
+        value = _lookup(row, source)
         if value is None and required:
-            source = columns.get(name, name)
-            raise BadRow(f"no {source!r} field" + (f" (mapped from {name!r})" if source != name else ""))
+            mapped = f" (mapped from {name!r})" if source != name else ""
+            raise BadRow(f"{source!r} is null{mapped}" if source in row else f"no {source!r} field{mapped}")
         return value
 
     if fmt == "messages":
@@ -99,7 +100,22 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
         example["messages"] = [_split_thinking(m, thinking_marker) for m in example["messages"]]
     if not any(m["role"] == "assistant" and m.get("train", True) for m in example["messages"]):
         raise BadRow("no assistant turn to learn from")
+    _check_order(example["messages"])
     return example
+
+
+def _check_order(messages: list[dict[str, Any]]) -> None:
+    """Roles in an order a chat template can render and a model can learn from."""
+    for index, message in enumerate(messages, 1):
+        role, before = message["role"], messages[index - 2] if index > 1 else None
+        if role in ("system", "developer") and before is not None and before["role"] not in ("system", "developer"):
+            raise BadRow(f"message {index}: a {role} message comes after the conversation began; put it first")
+        if role == "tool" and (before is None or not (before["role"] == "tool" or before.get("tool_calls"))):
+            raise BadRow(f"message {index}: a tool result without a tool call before it (an assistant message "
+                         "with tool_calls)")
+    if messages[-1]["role"] == "user":
+        raise BadRow(f"the conversation ends with a user message that no assistant message answers; remove it "
+                     f"(message {len(messages)})")
 
 
 def _split_thinking(message: dict[str, Any], marker: str) -> dict[str, Any]:
@@ -136,8 +152,13 @@ def _nonempty_list(value: Any, name: str) -> list:
 def _text(value: Any, what: str) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)  # OpenAI-style content parts, text only
+    if isinstance(value, list) and all(isinstance(part, dict) for part in value):  # OpenAI-style content parts
+        kinds = {str(part.get("type")) for part in value}
+        if kinds <= {"text"}:
+            return "".join(str(part.get("text", "")) for part in value)
+        media = sorted(kinds - {"text"})
+        raise BadRow(f"{what} has {', '.join(media)} parts: only text is trained here (text-only models); "
+                     "keep the text parts, or leave such rows out")
     raise BadRow(f"{what} is {_kind(value)}, not text")
 
 
@@ -159,6 +180,8 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     tool_calls = message.get("tool_calls")
     if content is None and role == "assistant" and tool_calls:
         content = ""
+    elif content is None and "content" in message:
+        raise BadRow(f"{where} content is null")
     out: dict[str, Any] = {"role": role, "content": _text(content, f"{where} content")}
     thinking = message.get("thinking", message.get("reasoning_content"))
     if thinking is not None:

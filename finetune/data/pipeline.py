@@ -106,13 +106,22 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     else:
         train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
 
+    if template is None and any("messages" in example for _, example in train_examples + eval_examples):
+        raise UserError(f"model.name_or_path: the tokenizer of {recipe.model.name_or_path} has no chat template, "
+                        "and the data holds conversations; set model.chat_template to a .jinja template file")
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
     max_length = recipe.train["max_length"]
-    train_rows, train_stats = _encode(train_examples, renderer, max_length, bad)
-    eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad)
+    too_long: list[str] = []
+    train_rows, train_stats = _encode(train_examples, renderer, max_length, bad, too_long)
+    eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad, too_long)
     if bad and data.bad_rows == "fail":
         raise _bad_rows_error(bad)
+    if too_long and data.too_long == "fail":
+        raise _listed_rows_error(
+            too_long, f"longer than train.max_length ({max_length}) before any token that carries loss",
+            "Raise train.max_length, shorten them, or set data.too_long=drop to leave them out (the count is "
+            "reported)")
     if not train_rows:
         raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
 
@@ -155,41 +164,65 @@ def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
 
 
 def _bad_rows_error(bad: list[str]) -> UserError:
-    shown = "\n".join(f"  {line}" for line in bad[:SHOWN_BAD_ROWS])
-    more = f"\n  ... and {len(bad) - SHOWN_BAD_ROWS} more" if len(bad) > SHOWN_BAD_ROWS else ""
-    return UserError(
-        f"{len(bad)} bad data row{'s' if len(bad) != 1 else ''}:\n{shown}{more}\n"
-        "Fix them, or set data.bad_rows=drop to skip them (the count is reported)."
-    )
+    return _listed_rows_error(bad, "bad", "Fix them, or set data.bad_rows=drop to skip them (the count is reported).")
+
+
+def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
+    shown = "\n".join(f"  {line}" for line in rows[:SHOWN_BAD_ROWS])
+    more = f"\n  ... and {len(rows) - SHOWN_BAD_ROWS} more" if len(rows) > SHOWN_BAD_ROWS else ""
+    plural = "s" if len(rows) != 1 else ""
+    heading = f"{len(rows)} bad data row{plural}" if what == "bad" else f"{len(rows)} data row{plural} {what}"
+    return UserError(f"{heading}:\n{shown}{more}\n{advice}")
 
 
 def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
     """(where, normalized example) for every usable row; the others go to `bad` as 'where: reason'."""
     examples = []
     for source in source_list:
-        fmt = None if data.format == "auto" else data.format
-        for number, (where, row) in enumerate(source.rows(), 1):
-            if data.max_rows is not None and number > data.max_rows:
-                break
-            if isinstance(row, BadRow):
-                bad.append(f"{where}: {row}")
-                continue
-            if fmt is None:
-                fmt = formats.detect_format(row, data.columns)
+        found: dict[str, str] = {}  # file -> the format of its rows
+        number = 0
+        for name, rows in source.parts():
+            fmt = None if data.format == "auto" else data.format
+            for where, row in rows:
+                number += 1
+                if data.max_rows is not None and number > data.max_rows:
+                    break
+                if isinstance(row, BadRow):
+                    bad.append(f"{where}: {row}")
+                    continue
                 if fmt is None:
-                    raise UserError(
-                        f"{where}: cannot tell the data format from its fields ({', '.join(map(str, row))}); "
-                        f"set data.format ({', '.join(formats.FORMATS)}) and data.columns to map your fields"
-                    )
-            try:
-                example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
-                examples.append((where, example))
-            except BadRow as reason:
-                bad.append(f"{where}: {reason}")
+                    fmt = found[name] = _detect_format(row, data.columns, where)
+                    _check_one_format(source, found)
+                try:
+                    example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
+                    examples.append((where, example))
+                except BadRow as reason:
+                    bad.append(f"{where}: {reason}")
     return examples
 
 
-def _encode(examples, renderer: Renderer, max_length: int, bad: list[str]):
+def _detect_format(row: dict, columns: dict, where: str) -> str:
+    fmt = formats.detect_format(row, columns)
+    if fmt is None:
+        raise UserError(
+            f"{where}: cannot tell the data format from its fields ({', '.join(map(str, row)) or 'none'}); "
+            f"set data.format ({', '.join(formats.FORMATS)}) and data.columns to map your fields"
+        )
+    return fmt
+
+
+def _check_one_format(source, found: dict[str, str]) -> None:
+    """A folder is one dataset, in one format; another format in it is usually a stray file."""
+    if len(set(found.values())) > 1:
+        (first, first_format), (other, other_format) = list(found.items())[0], list(found.items())[-1]
+        raise UserError(
+            f"data folder {source.spec} mixes data formats: {first} holds {first_format} rows, {other} holds "
+            f"{other_format} rows. Move the stray file out, or list the files in data.train one by one (each file "
+            "may have a format of its own)"
+        )
+
+
+def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str]):
     rows, lengths, truncated, untrainable = [], [], 0, 0
     for where, example in examples:
         try:
@@ -203,6 +236,7 @@ def _encode(examples, renderer: Renderer, max_length: int, bad: list[str]):
             ids, labels = ids[:max_length], labels[:max_length]
         if all(label == IGNORE for label in labels):
             untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
+            too_long.append(f"{where}: {lengths[-1]:,} tokens")
             continue
         rows.append((ids, labels))
     tokens = sum(len(ids) for ids, _ in rows)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import builtin
+from finetune import builtin, hub
 from finetune.data.formats import BadRow
 from finetune.errors import UserError
 
@@ -44,13 +44,17 @@ class Source:
             digest.update(self._load_hub()._fingerprint.encode())
         return digest.hexdigest()
 
-    def rows(self) -> Iterator[tuple[str, dict | BadRow]]:
-        """(where, row) pairs, where saying file and row number; unreadable rows come as BadRow."""
+    def parts(self) -> Iterator[tuple[str, Iterator[tuple[str, dict | BadRow]]]]:
+        """(name, rows) for each file of the source, or its Hub dataset; rows are (where, row) pairs, where saying
+        file and row number; unreadable rows come as BadRow."""
         for path in self.files:
-            yield from _file_rows(path)
+            yield str(path), _file_rows(path)
         if self.hub:
-            for number, row in enumerate(self._load_hub(), 1):
-                yield f"{self.spec} row {number}", row
+            yield self.spec, ((f"{self.spec} row {number}", row) for number, row in enumerate(self._load_hub(), 1))
+
+    def rows(self) -> Iterator[tuple[str, dict | BadRow]]:
+        for _, rows in self.parts():
+            yield from rows
 
     def _load_hub(self):
         if self._hub_dataset is None:
@@ -80,52 +84,118 @@ def resolve(spec: str, key: str) -> Source:
         if not files:
             raise UserError(f"{key}: folder {spec} has no {', '.join(SUFFIXES)} files")
         return Source(spec, files)
-    looks_like_path = spec.startswith((".", "/", "~")) or Path(spec).suffix in SUFFIXES or spec.count("/") > 1
-    if looks_like_path:
-        raise UserError(f"{key}: {spec} does not exist (no such file or folder)")
     name, _, split = spec.partition("@")
     name, _, subset = name.partition(":")
+    if not hub.looks_like_hub_name(name):
+        relative = "" if path.is_absolute() else f"; relative paths start from the folder finetune runs in, {Path.cwd()}"
+        raise UserError(f"{key}: {spec} does not exist (no such file or folder{relative})")
+    hub.check_available(name, key, "dataset")
     return Source(spec, [], hub=(name, subset or None, split or "train"))
 
 
 def _file_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path} line {number}", _object(json.loads(line))
-                except json.JSONDecodeError as error:
-                    yield f"{path} line {number}", BadRow(f"not valid JSON ({error.msg})")
-                except BadRow as bad:
-                    yield f"{path} line {number}", bad
-        return
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
-        if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
-            data = next(iter(data.values()))  # {"data": [...]} style
-        if not isinstance(data, list):
-            raise UserError(f"{path}: a .json data file holds a list of rows; use .jsonl for one row per line")
-        for number, row in enumerate(data, 1):
+    _check_text(path)
+    count = 0
+    for count, item in enumerate(_READERS[path.suffix](path), 1):
+        yield item
+    if count == 0:
+        raise UserError(f"{path} is empty: it holds no rows")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            line = _decoded(raw[3:] if number == 1 and raw.startswith(BOM) else raw, path, number)
+            if not line.strip():
+                continue
+            if number == 1 and line.lstrip().startswith("["):
+                raise UserError(f"{path} holds a JSON array, not one JSON object per line: name it .json, or write "
+                                "each row on a line of its own")
             try:
-                yield f"{path} row {number}", _object(row)
+                yield f"{path} line {number}", _object(json.loads(line))
+            except json.JSONDecodeError as error:
+                yield f"{path} line {number}", BadRow(f"not valid JSON ({error.msg})")
             except BadRow as bad:
-                yield f"{path} row {number}", bad
-        return
-    if path.suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as handle:
+                yield f"{path} line {number}", bad
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    text = _decoded(path.read_bytes().removeprefix(BOM), path)
+    if not text.strip():
+        raise UserError(f"{path} is empty: it holds no rows")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":
+            raise UserError(f"{path} holds one JSON value per line (JSON Lines), not one JSON document: name it "
+                            ".jsonl") from None
+        raise UserError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]} style
+    if not isinstance(data, list):
+        raise UserError(f"{path}: a .json data file holds a list of rows; use .jsonl for one row per line")
+    for number, row in enumerate(data, 1):
+        try:
+            yield f"{path} row {number}", _object(row)
+        except BadRow as bad:
+            yield f"{path} row {number}", bad
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        number = 0
+        try:
             for number, row in enumerate(csv.DictReader(handle), 1):
                 yield f"{path} row {number}", row
-        return
-    import datasets
+        except UnicodeDecodeError:
+            raise UserError(f"{path} row {number + 1}: not UTF-8 text; save the file as UTF-8") from None
 
-    table = datasets.load_dataset("parquet", data_files=str(path), split="train")
-    for number, row in enumerate(table, 1):
-        yield f"{path} row {number}", row
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        batches = pyarrow.parquet.ParquetFile(path).iter_batches()
+        number = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path} row {number}", row
+    except pyarrow.ArrowException as error:  # not Parquet, or broken
+        raise UserError(f"{path}: not a readable Parquet file ({_first_line(error)})") from None
+
+
+_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+BOM = b"\xef\xbb\xbf"
+
+
+def _check_text(path: Path) -> None:
+    """Refuse, with the reason, a text data file that is not UTF-8 text at all (binary, compressed, UTF-16)."""
+    if path.suffix == ".parquet":
+        return
+    with open(path, "rb") as handle:
+        start = handle.read(8192)
+    if start.startswith((b"\xff\xfe", b"\xfe\xff")) or (start[1::2].count(0) > len(start) // 4 > 0):
+        raise UserError(f"{path} is UTF-16 text; save it as UTF-8")
+    if start.startswith(b"\x1f\x8b"):
+        raise UserError(f"{path} is gzip-compressed; decompress it first (gunzip)")
+    if b"\x00" in start:
+        raise UserError(f"{path} is not a text file (it holds binary data); pass a {path.suffix} text file")
+
+
+def _decoded(raw: bytes, path: Path, line: int | None = None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        at = line if line is not None else raw[:error.start].count(b"\n") + 1
+        raise UserError(f"{path} line {at}: not UTF-8 text (byte 0x{raw[error.start]:02x}); save the file as UTF-8 "
+                        "(it may be Latin-1 or Windows-1252)") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _object(value: Any) -> dict:
