@@ -133,6 +133,14 @@ def test_a_stop_signal_that_arrives_twice_is_one_stop_request(tmp_path):
     status = rows(run)[-1]
     assert status["status"] == "stopped", output[-3000:]
     assert is_complete(run / f"checkpoint-{status['step']}")
+    # And it continues under the same bare launcher.
+    resumed = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
+         f"output_dir={run}", *QUICK, f"train.max_steps={status['step'] + 2}", "train.save_strategy=no", "--resume"],
+        capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert rows(run)[-1]["status"] == "completed" and rows(run)[-1]["step"] == status["step"] + 2
 
 
 def test_a_stop_lets_a_checkpoint_slower_than_the_launchers_timeout_finish(tmp_path):

@@ -110,11 +110,17 @@ def test_validate_command(tmp_path):
 
 
 @pytest.mark.integration
-def test_cpu_ddp_command(tmp_path):
+def test_cpu_ddp_and_resume_commands(tmp_path):
     result = run(next(c for c in commands() if "cpu_ddp_2proc" in c), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "ddp-try" / "progress.jsonl").read_text().splitlines()]
+    progress = tmp_path / "runs" / "ddp-try" / "progress.jsonl"
+    rows = [json.loads(line) for line in progress.read_text().splitlines()]
     assert rows[-1] == {**rows[-1], "status": "completed", "step": 20}
+    resumed = run(next(c for c in commands() if "--resume" in c), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in progress.read_text().splitlines()]
+    assert rows[-1] == {**rows[-1], "status": "completed", "step": 40}
+    assert [row["resumed"]["from"] for row in rows if "resumed" in row] == ["checkpoint-20"]
 
 
 @pytest.mark.integration

@@ -127,18 +127,31 @@ def test_second_ctrl_c_stops_at_once_and_says_so(tmp_path):
     assert progress(run)[-1]["status"] == "failed" and progress(run)[-1]["error"] == "interrupted"
 
 
-def test_logging_backends(tmp_path):
+def test_logging_backends_continue_when_the_run_resumes(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
-    pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     env = {**os.environ, "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
-    result = subprocess.run(
-        [sys.executable, "-m", "finetune", "train", "quickstart", f"output_dir={tmp_path / 'run'}", *SHORT,
-         "train.report_to=[tensorboard, mlflow]"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))  # TensorBoard logs live in the run folder
-    assert list((tmp_path / "mlruns").rglob("*loss*"))
+    run = tmp_path / "run"
+    settings = ["train", "quickstart", f"output_dir={run}", *SHORT, "train.report_to=[tensorboard, mlflow]",
+                "train.save_strategy=steps", "train.save_steps=3"]
+    first = subprocess.run([sys.executable, "-m", "finetune", *settings, "train.max_steps=3"],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run([sys.executable, "-m", "finetune", *settings, "--resume"],
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    board = EventAccumulator(str(run / "tensorboard"))  # one log for the run, in the run folder
+    board.Reload()
+    assert [event.step for event in board.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny has no SQL store; its file store needs it
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert len(runs) == 1  # the resumed run went on in the same MLflow run
+    history = mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "loss")
+    assert sorted(point.step for point in history) == [1, 2, 3, 4, 5, 6]
 
 
 def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
