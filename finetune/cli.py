@@ -278,13 +278,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     launch = _launch_settings(accelerate_config)
     backends.check_launch(backend, launch.get("distributed_type", "NO"))
     if resume:
-        point = resuming.resume_point(recipe.output_dir, resume)
-        resuming.check_same_run(recipe.to_dict(), recipe.output_dir)
-        train = recipe.train
-        note = resuming.check_global_batch(point, train.get("per_device_train_batch_size", 8),
-                                           train.get("gradient_accumulation_steps", 1), launch.get("num_processes", 1))
-        if note:
-            print(f"note: {note}", flush=True)
+        resuming.plan(recipe, resume, launch.get("num_processes", 1))  # its note comes from the training processes
     elif validating and read_rows(recipe.output_dir):
         print(f"note: output_dir {recipe.output_dir} holds a run already; `finetune train` continues it with "
               "--resume, or needs another output_dir", flush=True)

@@ -164,6 +164,14 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
+    def train_setting(self, key: str) -> Any:
+        """train.KEY as the run uses it: the recipe's value, else SFTConfig's default."""
+        if key in self.train:
+            return self.train[key]
+        from trl import SFTConfig
+
+        return next(f.default for f in dataclasses.fields(SFTConfig) if f.name == key)
+
     def sft_config(self, **runtime: Any):
         """The SFTConfig the trainer gets: train.* plus what the toolkit decides at run time (e.g. use_cpu)."""
         from trl import SFTConfig

@@ -58,6 +58,16 @@ class ResumePoint:
         return self.state["step"]
 
 
+def plan(recipe, resume: bool | str, processes: int) -> tuple[ResumePoint, str | None]:
+    """Where the run resumes, after every check: the checkpoint, the recipe, the global batch on `processes`.
+    Returns the point and a note for a changed process count."""
+    point = resume_point(recipe.output_dir, resume)
+    check_same_run(recipe.to_dict(), recipe.output_dir)
+    note = check_global_batch(point, recipe.train_setting("per_device_train_batch_size"),
+                              recipe.train_setting("gradient_accumulation_steps"), processes)
+    return point, note
+
+
 def resume_point(output_dir: str, resume: bool | str) -> ResumePoint:
     """The checkpoint to continue from: the run's newest complete one, or the one named."""
     run = Path(output_dir)

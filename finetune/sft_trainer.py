@@ -120,7 +120,7 @@ class RunTrainer(SFTTrainer):
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if flags[0]:
             raise RunFailed(self._non_finite_message(non_finite or "loss of another process is not finite"))
-        if flags[1]:
+        if flags[1] and not self.stopped:  # once: the epoch's end comes through here again
             self.stopped = True
             self.control.should_save = self.control.should_training_stop = True
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)

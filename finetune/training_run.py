@@ -17,14 +17,14 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends
+from finetune import backends, resuming
 from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
 from finetune.errors import RunFailed, UserError
 from finetune.model import load_model, load_tokenizer, model_config, training_precision
 from finetune.report import describe_data
-from finetune.resuming import ResumePoint, check_global_batch, check_same_run, resume_point
+from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
 from finetune.signals import StopRequest
@@ -51,11 +51,7 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
 def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     point, note = None, None
     if resume:
-        point = resume_point(recipe.output_dir, resume)
-        check_same_run(recipe.to_dict(), recipe.output_dir)
-        train = recipe.train
-        note = check_global_batch(point, train.get("per_device_train_batch_size", 8),
-                                  train.get("gradient_accumulation_steps", 1), state.num_processes)
+        point, note = resuming.plan(recipe, resume, state.num_processes)
     else:
         check_free(recipe.output_dir)
     check_writable(recipe.output_dir)
@@ -73,6 +69,8 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
         print(why, describe_data(data.report), sep="\n", flush=True)
     flash = "flash" in (recipe.model.attn_implementation or "")
     args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash, backend))
+    if point:
+        args.eval_on_start = False  # the run evaluated at its start already
     transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
     model, peft_config = load_model(recipe, precision, backend, recipe.train.get("gradient_checkpointing", True))
     coefficient = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0)

@@ -64,11 +64,15 @@ def test_validate_reports_bad_input_the_same_way(tmp_path):
     )
 
 
-def test_existing_output_dir_is_refused(tmp_path):
+def test_an_existing_run_is_refused_by_train_and_reported_by_validate(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "progress.jsonl").write_text("")
+    (tmp_path / "run" / "progress.jsonl").write_text('{"step": 10, "loss": 1.0}\n{"status": "completed", "step": 10}\n')
     result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}")
-    assert result.returncode == 2 and "already exists and is not empty" in result.stderr
+    assert result.returncode == 2 and "already exists and is not empty: continue that run with --resume" in result.stderr
+    report = run_cli("validate", "quickstart", f"output_dir={tmp_path / 'run'}", "train.max_length=128")
+    assert report.returncode == 0, report.stderr
+    assert f"note: output_dir {tmp_path / 'run'} holds a run already; `finetune train` continues it with --resume" \
+        in report.stdout and "OK: the recipe and its data are valid." in report.stdout
 
 
 def test_unknown_accelerate_config(tmp_path):

@@ -113,6 +113,12 @@ def test_workspace_accepts_names_not_paths(tmp_path):
                  lambda: workspace.save_recipe("/etc/evil name.yaml", "model: {}")):
         with pytest.raises(PanelError):
             call()
+    for stray in ("checkpoint-foo", "checkpoint-2", "checkpoint-7"):  # only checkpoint-7 is complete
+        (tmp_path / "runs" / "r" / stray).mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "checkpoint-7" / "finetune_state.json").write_text("{}")
+    assert workspace.checkpoints("r") == ["checkpoint-7"]
+    with pytest.raises(PanelError):
+        workspace.model_folder("r", "checkpoint-2")
     assert workspace.save_recipe("mine.yaml", "model: {name_or_path: builtin:tiny-llama}") == "recipes/mine"
     assert "recipes/mine" in workspace.recipe_names() and "quickstart" in workspace.recipe_names()
     command = workspace.command("recipes/mine", ["lora.r=4"], "r1", "cpu_ddp_2proc")
