@@ -111,11 +111,11 @@ def _placement():
     return {"": state.device}
 
 
-def model_config(recipe):
+def model_config(recipe, source: str | None = None):
     """The model's configuration (no weights), checked against the recipe: what validation can know of the model."""
     from transformers import AutoConfig
 
-    source = _local_or_available(recipe)
+    source = source or _local_or_available(recipe)
     try:
         config = AutoConfig.from_pretrained(
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
@@ -138,7 +138,7 @@ def load_hf_model(recipe, precision: dict):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     source = _local_or_available(recipe)
-    config = model_config(recipe)
+    config = model_config(recipe, source)
     dtype = weights_dtype(recipe, precision)
     kwargs = {
         "dtype": dtype,

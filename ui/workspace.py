@@ -252,13 +252,15 @@ class Workspace:
         return group
 
     def console_tail(self, name: str, lines: int = 40) -> str:
-        """The last lines the run printed (progress bars reduced to their last state)."""
-        for path in (self.run_folder(name) / run_folder.LOG_NAME, self.launches / f"{check_name(name, 'run name')}.log"):
-            if path.is_file() and path.stat().st_size:
-                text = path.read_text(encoding="utf-8", errors="replace")
-                cleaned = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
-                return "\n".join(cleaned[-lines:])
-        return ""
+        """The last lines of the run's log, or of its console when that is newer (a launch that failed before
+        training, e.g. a refused resume); progress bars reduced to their last state."""
+        logs = [path for path in (self.run_folder(name) / run_folder.LOG_NAME,
+                                  self.launches / f"{check_name(name, 'run name')}.log")
+                if path.is_file() and path.stat().st_size]
+        if not logs:
+            return ""
+        text = max(logs, key=lambda path: path.stat().st_mtime).read_text(encoding="utf-8", errors="replace")
+        return "\n".join([line.rsplit("\r", 1)[-1] for line in text.splitlines()][-lines:])
 
     def checkpoints(self, name: str) -> list[str]:
         folder = self.run_folder(name)
