@@ -43,7 +43,9 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
     state = PartialState()
     try:
         with StopRequest() as stop:
-            return _train(recipe, state, stop, resume, callbacks)
+            status = _train(recipe, state, stop, resume, callbacks)
+        state.wait_for_everyone()  # no process tears the group down while another still uses it
+        return status
     finally:
         state.destroy_process_group()  # gloo and NCCL threads still alive at exit abort the process
 

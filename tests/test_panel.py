@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -248,7 +249,7 @@ def chromium() -> str:
 
 
 def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     browser_path = chromium()
     workspace = tmp_path / "ws"
@@ -263,12 +264,13 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
                       "--disable-component-update"])
             page = context.new_page()
             page.goto(panel.url)
-            page.get_by_label("Run name").fill("browser-run")
+            run_name = page.get_by_label("Run name")
+            expect(run_name).to_have_value(re.compile(r"^run-"), timeout=60_000)  # the page's own fresh name first
+            run_name.fill("browser-run")
             page.get_by_label("More settings (key=value, one per line)").fill(LONG_RUN)
             page.get_by_role("button", name="Launch").click()
             page.get_by_text("Launched browser-run").wait_for(timeout=120_000)
-            next_name = page.get_by_label("Run name").input_value()
-            assert next_name.startswith("run-")  # a second Launch would not collide with the first
+            expect(run_name).to_have_value(re.compile(r"^run-"))  # a second Launch would not collide with the first
             page.screenshot(path=ARTIFACTS / "panel-train.png", full_page=True)
             page.get_by_role("tab", name="Live").click()
             page.get_by_text("browser-run · running").wait_for(timeout=180_000)
