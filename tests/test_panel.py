@@ -186,6 +186,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert "export name '../outside'" in refused and not (workspace / "outside").exists()
     finally:
         panel.close()
+        subprocess.run(["pkill", "-f", str(workspace)])  # a run left by a failed check would train on for minutes
 
 
 def test_stop_forces_a_run_that_ignores_sigterm(tmp_path):
@@ -289,4 +290,5 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
             context.close()
     finally:
         panel.close()
+        subprocess.run(["pkill", "-f", str(workspace)])  # a run left by a failed check would train on for minutes
     assert (ARTIFACTS / "panel-live.png").stat().st_size > 10_000
