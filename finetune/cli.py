@@ -71,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         "Check a recipe and its data, print the resolved configuration and a data report (rows, token lengths, "
         "truncation, tokens that carry loss, one rendered example).",
     )
+    estimate = recipe_command(
+        "estimate", estimate_command,
+        "plan the memory of a recipe per device before launch: fits or not, and the largest micro-batch",
+        "Count what each device holds while the recipe trains (weights, adapter and optimizer state, DDP buckets, "
+        "activations, loss, CUDA context) from the model's configuration, without loading weights; compare it "
+        "with the card and find the largest micro-batch that fits at the recipe's max_length.",
+    )
+    where = estimate.add_mutually_exclusive_group()
+    where.add_argument("--gpu", help="the card: a10, l4, a100-40, a100-80, h100, h200, or a size such as 48GB "
+                       "(default: this machine's GPU, else its memory)")
+    where.add_argument("--device", choices=["cpu"], help="plan for training on this machine's CPU and memory")
+    estimate.add_argument("--num-gpus", type=int, help="processes (default: the accelerate config's, else 1)")
+    estimate.add_argument("--accelerate-config", metavar="NAME",
+                          help="the launch (DDP replicates the model on each GPU; FSDP and ZeRO-3 shard it)")
+    estimate.add_argument("--probe", action="store_true",
+                          help="also run two real training steps with the recipe's longest batch here, and print "
+                          "the measured peak beside the plan")
     chat = commands.add_parser(
         "chat", help="chat with a trained model (a run's final/, a checkpoint-N/ or an export)",
         description="Chat with a trained model, with the chat template used in training. Interactive, with history "
@@ -218,6 +235,49 @@ def _dim(text: str) -> str:
     return f"\033[2m{text}\033[0m" if sys.stdout.isatty() else text
 
 
+def estimate_command(args) -> int:
+    from finetune import memory_plan
+    from finetune.config import load_recipe
+    from finetune.model import model_config
+    from finetune.resources import find_accelerate_config
+
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise UserError("--num-gpus must be at least 1")
+    if args.probe:
+        from finetune import backends
+
+        backends.import_first(args.recipe, args.overrides)  # the probe trains: Unsloth, if used, loads first
+    recipe = load_recipe(args.recipe, args.overrides)
+    settings = _launch_settings(find_accelerate_config(args.accelerate_config)) if args.accelerate_config else None
+    launch = memory_plan.launch_of(settings, args.num_gpus)
+    device = memory_plan.device_named(args.gpu) if args.gpu else memory_plan.this_machine(cpu=args.device == "cpu")
+    shape = memory_plan.model_shape(model_config(recipe), recipe)
+    plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
+    print(memory_plan.describe(plan, args.recipe))
+    if args.probe:
+        _probe(args, recipe, shape)
+    return 0
+
+
+def _probe(args, recipe, shape) -> None:
+    """Two real training steps here, their measured peak beside this machine's plan."""
+    import torch
+
+    from finetune import memory_plan
+    from finetune.probe import PROBE_STEPS, probe
+
+    here = memory_plan.this_machine(cpu=recipe.train.get("use_cpu", not torch.cuda.is_available()))
+    alone = memory_plan.launch_of(None, 1)
+    local = memory_plan.plan(recipe, shape, here, alone, memory_plan.micro_batch_of(recipe, here, alone, shape))
+    print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
+          f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
+    measured = probe(args.recipe, args.overrides)
+    planned, what = (local.tensors(), "torch.cuda.max_memory_allocated") if here.cuda else \
+        (local.total(), "peak resident memory")
+    print(f"Probe: measured {memory_plan.format_bytes(measured)} ({what}), planned "
+          f"{memory_plan.format_bytes(planned)}: the plan is {(planned - measured) / measured:+.1%} off")
+
+
 def validate_command(args) -> int:
     recipe, report = _check(args.recipe, args.overrides, validating=True)
     from finetune.report import describe_data
@@ -267,7 +327,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     """Everything `train` checks before loading weights: recipe, backend, launch, output_dir, resume point,
     tokenizer, data. Returns the recipe and the data report."""
     from finetune import backends, resuming
-    from finetune.config import load_recipe
+    from finetune.config import check_device_options, load_recipe
     from finetune.data.pipeline import prepare
     from finetune.model import load_tokenizer, model_config
     from finetune.run_folder import check_free, check_writable, read_rows
@@ -276,6 +336,8 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     backend, why = backends.resolve(recipe.model.backend)
     print(why, flush=True)
     launch = _launch_settings(accelerate_config)
+    check_device_options(recipe, cuda=not launch.get("use_cpu", False) and _has_cuda())
+    recipe.batch_split(launch.get("num_processes", 1), 1 if recipe.auto_micro_batch else None)
     backends.check_launch(backend, launch.get("distributed_type", "NO"))
     if resume:
         resuming.plan(recipe, resume, launch.get("num_processes", 1))  # its note comes from the training processes
@@ -288,6 +350,12 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     tokenizer = load_tokenizer(recipe)
     model_config(recipe)
     return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _launch_settings(accelerate_config) -> dict:

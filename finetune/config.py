@@ -127,6 +127,12 @@ TRAIN_DEFAULTS: dict[str, Any] = {
 }
 LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 
+# train.* keys of the toolkit's own, beside SFTConfig's fields. With global_batch_size the accumulation steps follow
+# from the process count (the same global batch on any number of processes); per_device_train_batch_size may then
+# be `auto`: the largest micro-batch that the memory plan fits on the device.
+GLOBAL_BATCH = "global_batch_size"
+AUTO = "auto"
+
 # SFTConfig fields that this toolkit decides elsewhere: under train.* they would be silently ignored, so they are refused.
 NOT_USED = {
     "output_dir": "set the top-level output_dir",
@@ -173,10 +179,29 @@ class Recipe:
         return next(f.default for f in dataclasses.fields(SFTConfig) if f.name == key)
 
     def sft_config(self, **runtime: Any):
-        """The SFTConfig the trainer gets: train.* plus what the toolkit decides at run time (e.g. use_cpu)."""
+        """The SFTConfig the trainer gets: train.* plus what the toolkit decides at run time (e.g. use_cpu, and the
+        micro-batch and accumulation steps from `batch_split`)."""
         from trl import SFTConfig
 
-        return SFTConfig(output_dir=self.output_dir, **{**self.train, **runtime})
+        return SFTConfig(output_dir=self.output_dir, **{**_sft_values(self.train), **runtime})
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.train.get("per_device_train_batch_size") == AUTO
+
+    def batch_split(self, processes: int, micro_batch: int | None = None) -> tuple[int, int]:
+        """(per-device micro-batch, accumulation steps) on `processes`. With train.global_batch_size the global
+        batch is fixed and the accumulation follows; `micro_batch` is the one chosen for `auto`."""
+        micro = micro_batch or self.train_setting("per_device_train_batch_size")
+        if GLOBAL_BATCH not in self.train:
+            return micro, self.train_setting("gradient_accumulation_steps")
+        total = self.train[GLOBAL_BATCH]
+        if total % (micro * processes):
+            raise UserError(
+                f"train.{GLOBAL_BATCH} {total} is not a whole number of micro-batches of {micro} rows on {processes} "
+                f"process{'es' if processes > 1 else ''}; choose a global batch that is a multiple of "
+                f"{micro * processes}, or another train.per_device_train_batch_size")
+        return micro, total // (micro * processes)
 
 
 SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection}
@@ -276,7 +301,7 @@ def _all_keys() -> tuple[str, ...]:
     keys = [f.name for f in dataclasses.fields(Recipe)]
     for name, cls in SECTIONS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
-    keys += [f"train.{name}" for name in _sft_fields()]
+    keys += [f"train.{name}" for name in [*_sft_fields(), GLOBAL_BATCH]]
     return tuple(keys)
 
 
@@ -345,6 +370,9 @@ def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]
     train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[recipe.method]}
     for key, value in recipe.train.items():
         where = origin(f"train.{key}")
+        if key == GLOBAL_BATCH or (key == "per_device_train_batch_size" and value == AUTO):
+            train[key] = value if value == AUTO else coerce(value, int, f"train.{key}", where)
+            continue
         if key in NOT_USED:
             raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
         if key not in fields:
@@ -353,6 +381,8 @@ def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]
     if for_training:
         _check_report_to(train.get("report_to"), origin("train.report_to"))
     _check_numbers(train, origin)
+    _check_batch(train, origin)
+    _check_memory_options(train, origin)
     if train.get("bf16") and train.get("fp16"):
         raise UserError(f"{origin('train.fp16')}: train.bf16 and train.fp16 both ask for mixed precision; keep one")
     has_eval = recipe.data.eval or recipe.data.eval_fraction
@@ -364,10 +394,68 @@ def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]
     try:
         from trl import SFTConfig
 
-        SFTConfig(output_dir=recipe.output_dir, **{**train, "use_cpu": True})  # its own value checks, no devices
+        SFTConfig(output_dir=recipe.output_dir, **{**_sft_values(train), "use_cpu": True})  # its checks, no devices
     except ValueError as error:
         raise UserError(f"{origin('train')}: {error}") from None
     return train
+
+
+def _sft_values(train: dict[str, Any]) -> dict[str, Any]:
+    """train.* without the toolkit's own keys (their values reach SFTConfig through `Recipe.batch_split`)."""
+    values = {key: value for key, value in train.items() if key != GLOBAL_BATCH}
+    if values.get("per_device_train_batch_size") == AUTO:
+        values["per_device_train_batch_size"] = 1
+    return values
+
+
+def _check_batch(train: dict[str, Any], origin) -> None:
+    if train.get("per_device_train_batch_size") == AUTO and GLOBAL_BATCH not in train:
+        raise UserError(f"{origin('train.per_device_train_batch_size')}: train.per_device_train_batch_size auto "
+                        f"needs the global batch it splits: set train.{GLOBAL_BATCH} (rows per optimizer step, all "
+                        "processes together)")
+    if GLOBAL_BATCH in train:
+        if "gradient_accumulation_steps" in train:
+            raise UserError(f"{origin('train.gradient_accumulation_steps')}: train.gradient_accumulation_steps and "
+                            f"train.{GLOBAL_BATCH} both set the global batch; keep {GLOBAL_BATCH} (the accumulation "
+                            "steps follow from it and the process count)")
+        if not 0 < train[GLOBAL_BATCH] <= LARGEST_COUNT:
+            raise UserError(f"{origin('train.' + GLOBAL_BATCH)}: train.{GLOBAL_BATCH} must be a positive whole number")
+
+
+def _check_memory_options(train: dict[str, Any], origin) -> None:
+    """Memory options that do not work together."""
+    if train.get("use_liger_kernel"):
+        if train.get("loss_type") == "chunked_nll":
+            raise UserError(f"{origin('train.loss_type')}: train.use_liger_kernel computes the loss with Liger's "
+                            "fused linear cross-entropy, which replaces TRL's chunked loss; leave train.loss_type "
+                            "unset (or nll) with Liger, or turn Liger off to keep the chunked loss")
+        if train.get("activation_offloading"):
+            raise UserError(f"{origin('train.activation_offloading')}: train.activation_offloading does not work "
+                            "with train.use_liger_kernel (Liger's fused kernels keep activations that the offload "
+                            "hooks do not see); choose one")
+
+
+GPU_ONLY = {
+    "use_liger_kernel": "Liger's kernels are written in Triton, for GPUs",
+    "activation_offloading": "it moves activations from the GPU to CPU memory",
+}
+
+
+def check_device_options(recipe: Recipe, cuda: bool) -> None:
+    """Options that need a GPU (or a package only GPU machines have), checked on the machine that trains."""
+    train = recipe.train
+    on_cpu = not cuda or train.get("use_cpu")
+    for key, why in GPU_ONLY.items():
+        if train.get(key) and on_cpu:
+            raise UserError(f"train.{key} needs a CUDA GPU ({why}) and this run trains on the CPU; remove it here")
+    if str(train.get("optim", "")).startswith("paged_") and on_cpu:
+        raise UserError(f"train.optim {train['optim']}: paged optimizers page GPU memory out to the CPU, and this run "
+                        "trains on the CPU; use adamw_8bit (8-bit states) or adamw_torch here")
+    if train.get("use_liger_kernel") and not on_cpu:
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise UserError("train.use_liger_kernel needs Liger's kernels: pip install liger-kernel")
 
 
 LARGEST_COUNT = 2**31 - 1  # beyond it counts overflow, and no run is that long
@@ -381,6 +469,8 @@ def _check_numbers(train: dict[str, Any], origin) -> None:
 
     for key in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
                 "gradient_accumulation_steps"):
+        if train.get(key) == AUTO:
+            continue
         if train.get(key) is None and key == "max_length":
             raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
         if train.get(key) is not None and not 0 < train[key] <= LARGEST_COUNT:

@@ -63,8 +63,9 @@ def plan(recipe, resume: bool | str, processes: int) -> tuple[ResumePoint, str |
     Returns the point and a note for a changed process count."""
     point = resume_point(recipe.output_dir, resume)
     check_same_run(recipe.to_dict(), recipe.output_dir)
-    note = check_global_batch(point, recipe.train_setting("per_device_train_batch_size"),
-                              recipe.train_setting("gradient_accumulation_steps"), processes)
+    # an `auto` micro-batch is chosen at run time; any choice splits the same global batch
+    per_device, accumulation = recipe.batch_split(processes, 1 if recipe.auto_micro_batch else None)
+    note = check_global_batch(point, per_device, accumulation, processes)
     return point, note
 
 

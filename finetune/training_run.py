@@ -17,8 +17,8 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends, resuming
-from finetune.config import load_recipe
+from finetune import backends, memory_plan, resuming
+from finetune.config import check_device_options, load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
 from finetune.errors import RunFailed, UserError
@@ -61,16 +61,19 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
 
     backend, why = backends.resolve(recipe.model.backend)
     backends.check_launch(backend, state.distributed_type.value)
+    check_device_options(recipe, cuda=torch.cuda.is_available())
+    micro, accumulation = _batch_split(recipe, state)
     precision = training_precision(recipe.train)
     # On each machine its main process builds builtins and prepares the data first; the others then read them.
     with state.local_main_process_first():
         tokenizer = load_tokenizer(recipe)
-        model_config(recipe)  # a model that cannot load is found before the data is prepared
+        model_type = model_config(recipe).model_type  # a model that cannot load is found before the data is prepared
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     if state.is_main_process:
         print(why, describe_data(data.report), sep="\n", flush=True)
     flash = "flash" in (recipe.model.attn_implementation or "")
-    args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash, backend))
+    args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
+                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
     if point:
         args.eval_on_start = False  # the run evaluated at its start already
     transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
@@ -213,7 +216,34 @@ def _log_to(path):
         handler.close()
 
 
-def runtime_arguments(recipe, data, flash: bool, backend: str) -> dict:
+def _batch_split(recipe, state) -> tuple[int, int]:
+    """(micro-batch, accumulation steps); an `auto` micro-batch is the largest that the memory plan fits on every
+    process's device, said at the start."""
+    if not recipe.auto_micro_batch:
+        return recipe.batch_split(state.num_processes)
+    from accelerate.utils import DistributedType
+
+    cpu = recipe.train.get("use_cpu", not torch.cuda.is_available())
+    device = memory_plan.this_machine(cpu)
+    sharded = state.distributed_type == DistributedType.FSDP or (
+        state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3)
+    launch = memory_plan.Launch(state.num_processes, sharded, f"{state.num_processes} processes")
+    shape = memory_plan.model_shape(model_config(recipe), recipe)
+    chosen = torch.tensor([memory_plan.micro_batch_of(recipe, device, launch, shape)], device=state.device)
+    if state.num_processes > 1:
+        torch.distributed.all_reduce(chosen, op=torch.distributed.ReduceOp.MIN)  # one split on unlike devices
+    micro, accumulation = recipe.batch_split(state.num_processes, int(chosen.item()))
+    if state.is_main_process:
+        fitted = memory_plan.plan(recipe, shape, device, launch, micro)
+        print(f"micro-batch auto: {micro} rows of {fitted.max_length} tokens per process (planned "
+              f"{fitted.total() / memory_plan.GIB:.1f} of {device.capacity / memory_plan.GIB:.1f} GiB on "
+              f"{device.name}; up to {fitted.largest_micro_batch} fit) x {accumulation} accumulation steps x "
+              f"{state.num_processes} process{'es' if state.num_processes > 1 else ''} = global batch "
+              f"{micro * accumulation * state.num_processes}", flush=True)
+    return micro, accumulation
+
+
+def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) -> dict:
     """SFTConfig values that depend on this machine, model and data rather than on the recipe."""
     arguments = {
         # Our data is already tokenized, truncated and packed: TRL only batches it. FlashAttention takes packed
@@ -225,6 +255,9 @@ def runtime_arguments(recipe, data, flash: bool, backend: str) -> dict:
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
         "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run
     }
+    if recipe.train.get("use_liger_kernel") and model_type == "gpt_oss":
+        # GPT-OSS's experts gate with a clamped, offset SwiGLU that Liger's kernel does not compute
+        arguments["liger_kernel_config"] = {**(recipe.train.get("liger_kernel_config") or {}), "swiglu": False}
     if backend == "unsloth":
         arguments["gradient_checkpointing"] = False  # Unsloth checkpoints its own way (set when loading)
     if data.eval is not None and "eval_strategy" not in recipe.train:

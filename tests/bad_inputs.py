@@ -143,6 +143,26 @@ CASES = [
     Case("zero max_rows", "data.max_rows must be a positive whole number", ["data.max_rows=0"]),
     Case("bad template date", "data.template_date must be a date as YYYY-MM-DD", ["data.template_date=yesterday"]),
     # Contradictions.
+    Case("auto micro-batch without a global batch", "train.per_device_train_batch_size auto needs the global batch "
+         "it splits: set train.global_batch_size", ["train.per_device_train_batch_size=auto"]),
+    Case("global batch and accumulation", "train.gradient_accumulation_steps and train.global_batch_size both set "
+         "the global batch", ["train.global_batch_size=16", "train.gradient_accumulation_steps=2"]),
+    Case("zero global batch", "train.global_batch_size must be a positive whole number",
+         ["train.global_batch_size=0"]),
+    Case("global batch not a multiple of the micro-batch", "train.global_batch_size 12 is not a whole number of "
+         "micro-batches of 8 rows on 1 process", ["train.global_batch_size=12", "train.per_device_train_batch_size=8"],
+         commands=("train",)),
+    Case("Liger with the chunked loss", "train.use_liger_kernel computes the loss with Liger's fused linear "
+         "cross-entropy, which replaces TRL's chunked loss", ["train.use_liger_kernel=true",
+                                                              "train.loss_type=chunked_nll"]),
+    Case("Liger with activation offloading", "train.activation_offloading does not work with "
+         "train.use_liger_kernel", ["train.use_liger_kernel=true", "train.activation_offloading=true"]),
+    Case("Liger on the CPU", "train.use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton, for "
+         "GPUs) and this run trains on the CPU", ["train.use_liger_kernel=true"]),
+    Case("activation offloading on the CPU", "train.activation_offloading needs a CUDA GPU",
+         ["train.activation_offloading=true"]),
+    Case("paged optimizer on the CPU", "train.optim paged_adamw_8bit: paged optimizers page GPU memory out to the "
+         "CPU, and this run trains on the CPU", ["train.optim=paged_adamw_8bit"]),
     Case("bf16 and fp16", "train.bf16 and train.fp16 both ask for mixed precision; keep one",
          ["train.bf16=true", "train.fp16=true"]),
     Case("two eval choices", "data.eval and data.eval_fraction both choose the eval split; keep one",

@@ -1,0 +1,402 @@
+"""The memory plan: what one device holds while a recipe trains, counted before anything loads.
+
+Pure arithmetic over the model's configuration (instantiated on the meta device for exact parameter counts, no
+weights) and the recipe: `finetune estimate`, the `auto` micro-batch, validation and the panel all call `plan()`.
+Each line of a plan has a part that does not depend on the micro-batch and a part per row of `max_length` tokens,
+so the largest micro-batch that fits follows from one plan.
+
+What autograd keeps, per token of a decoder layer, is counted from the code paths transformers and PEFT take at our
+pins (RMSNorm upcasts to float32, LoRA inputs cast to the adapter's float32 outside autocast, eager attention keeps
+its probabilities); `benchmarks/memory.py` checks the totals against measured peaks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from finetune.errors import UserError
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Memory a CUDA process can use on each card (what torch reports as total_memory), in GiB.
+GPUS = {
+    "a10": ("NVIDIA A10 24 GB", 22.1),
+    "l4": ("NVIDIA L4 24 GB", 22.0),
+    "a100-40": ("NVIDIA A100 40 GB", 39.4),
+    "a100-80": ("NVIDIA A100 80 GB", 79.2),
+    "h100": ("NVIDIA H100 80 GB", 79.1),
+    "h200": ("NVIDIA H200 141 GB", 139.8),
+}
+CUDA_CONTEXT = 600 * MIB  # the CUDA context and kernels of torch, cuBLAS and NCCL: outside torch's own counters
+ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out (fragmentation), of the tensors
+CPU_PROCESS = 720 * MIB  # Python with torch, transformers, TRL, PEFT, the tokenizer and the prepared data
+TIGHT = 0.9  # above this share of the device a plan is "tight": fragmentation or a longer batch can tip it over
+
+# Optimizer state bytes per trainable parameter (fp32 master parameters).
+OPTIMIZER_BYTES = {
+    "adamw_torch": 8, "adamw_torch_fused": 8, "adamw_torch_xla": 8, "adamw_torch_npu_fused": 8, "adamw_apex_fused": 8,
+    "adamw_anyprecision": 8, "adamw_torch_8bit": 2, "adamw_torch_4bit": 1, "adafactor": 0.1, "sgd": 0, "adagrad": 4,
+    "rmsprop": 4, "rmsprop_bnb": 4, "rmsprop_bnb_32bit": 4, "rmsprop_bnb_8bit": 1, "lion_32bit": 4,
+    "paged_lion_32bit": 4, "lion_8bit": 1, "paged_lion_8bit": 1, "adamw_bnb_8bit": 2, "adamw_8bit": 2,
+    "paged_adamw_8bit": 2, "paged_adamw_32bit": 8, "ademamix": 12, "ademamix_8bit": 3, "paged_ademamix_32bit": 12,
+    "paged_ademamix_8bit": 3,
+}
+PAGED = "paged"  # bitsandbytes' paged optimizers move their state to CPU memory when the GPU runs short
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 absmax (double quant)
+LOSS_CHUNK = 256  # TRL's chunked_nll: tokens whose logits exist at once
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    capacity: int  # bytes
+    cuda: bool
+
+
+def device_named(text: str) -> Device:
+    """`a10`, `h100`, ... (see GPUS), `<N>GB` or `<N>GiB` for another card, or `cpu` for this machine's memory."""
+    key = text.strip().lower()
+    if key == "cpu":
+        return Device(f"this machine's memory ({_total_ram() / GIB:.1f} GiB)", _total_ram(), cuda=False)
+    if key in GPUS:
+        name, gib = GPUS[key]
+        return Device(name, int(gib * GIB), cuda=True)
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib)", key)
+    if size:
+        amount = float(size.group(1)) * (GIB if size.group(2) == "gib" else 1e9)
+        return Device(f"a {text.strip()} GPU", int(amount), cuda=True)
+    raise UserError(f"--gpu {text!r}: name a card ({', '.join(GPUS)}), a size such as 48GB, or use --device cpu")
+
+
+def this_machine(cpu: bool) -> Device:
+    """This machine's first GPU, or its memory when training on the CPU."""
+    if cpu:
+        return device_named("cpu")
+    import torch
+
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Device(f"{properties.name} ({properties.total_memory / GIB:.1f} GiB)", properties.total_memory, cuda=True)
+
+
+def _total_ram() -> int:
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise UserError("cannot read this machine's memory size from /proc/meminfo")
+
+
+@dataclass(frozen=True)
+class Launch:
+    processes: int
+    sharded: bool  # FSDP or DeepSpeed ZeRO-3: parameters, gradients and optimizer state split over the processes
+    name: str
+
+
+def launch_of(accelerate_config: dict | None, processes: int | None = None) -> Launch:
+    """How the processes share the work, from an accelerate config (read as a mapping) or a process count."""
+    config = accelerate_config or {}
+    count = processes or int(config.get("num_processes") or 1) * int(config.get("num_machines") or 1)
+    kind = str(config.get("distributed_type") or ("MULTI_GPU" if count > 1 else "NO"))
+    zero = int((config.get("deepspeed_config") or {}).get("zero_stage") or 0)
+    sharded = kind == "FSDP" or (kind == "DEEPSPEED" and zero == 3)
+    engine = "FSDP" if kind == "FSDP" else f"DeepSpeed ZeRO-{zero}" if kind == "DEEPSPEED" else "DDP"
+    return Launch(count, sharded, f"{engine} on {count} processes" if count > 1 else "one process")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a model: exact parameter counts by kind, and the sizes activations follow."""
+    model_type: str
+    layers: int
+    hidden: int
+    q_width: int  # heads x head_dim
+    kv_width: int
+    heads: int
+    intermediate: int  # of the dense MLP, or of one expert
+    experts_per_token: int  # 0 for dense models
+    vocab: int
+    embedding: int  # parameters
+    head: int  # 0 when tied to the embedding
+    linear: int  # weights of nn.Linear layers in the decoder (what 4-bit quantization replaces)
+    experts: int  # MoE expert weights (3D parameters)
+    other: int  # norms, biases, routers, sinks
+    largest_layer: int  # parameters of one decoder layer
+    largest_linear: int
+    adapted_inputs: tuple[int, ...]  # in_features of each LoRA-adapted Linear in one layer
+    adapter: int  # trainable parameters of the LoRA adapter (0 for full fine-tuning)
+
+    @property
+    def parameters(self) -> int:
+        return self.embedding + self.head + self.linear + self.experts + self.other
+
+
+def model_shape(config, recipe) -> Shape:
+    """Counts from the model built on the meta device (no memory, no download), with the recipe's adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    text = config.get_text_config()
+    embedding = model.get_input_embeddings().weight.numel()
+    output = model.get_output_embeddings()
+    head = 0 if output is None or output.weight is model.get_input_embeddings().weight else output.weight.numel()
+    decoder_layers = model.get_decoder().layers
+    linear_weights = {id(m.weight): m.weight.numel() for m in decoder_layers.modules() if isinstance(m, torch.nn.Linear)}
+    experts = sum(p.numel() for name, p in decoder_layers.named_parameters() if p.dim() == 3 and "experts" in name)
+    total = sum(p.numel() for p in model.parameters())
+    first = decoder_layers[0]
+    largest_linear = max(linear_weights.values())
+    adapted, adapter = _adapter(model, recipe)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return Shape(
+        model_type=text.model_type, layers=len(decoder_layers), hidden=text.hidden_size, q_width=heads * head_dim,
+        kv_width=getattr(text, "num_key_value_heads", heads) * head_dim, heads=heads,
+        intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size,
+        experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0, vocab=text.vocab_size,
+        embedding=embedding, head=head, linear=sum(linear_weights.values()), experts=experts,
+        other=total - embedding - head - sum(linear_weights.values()) - experts,
+        largest_layer=sum(p.numel() for p in first.parameters()), largest_linear=largest_linear,
+        adapted_inputs=adapted, adapter=adapter,
+    )
+
+
+def _adapter(model, recipe) -> tuple[tuple[int, ...], int]:
+    """(in_features of the adapted Linears of layer 0, trainable adapter parameters) as PEFT builds them."""
+    if recipe.method == "full":
+        return (), 0
+    from peft import get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from finetune.model import lora_config
+
+    peft_model = get_peft_model(model, lora_config(recipe))
+    first = peft_model.get_base_model().get_decoder().layers[0]
+    adapted = tuple(m.in_features for m in first.modules() if isinstance(m, LoraLinear))
+    return adapted, sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class Line:
+    what: str
+    fixed: float  # bytes whatever the micro-batch
+    per_row: float = 0.0  # bytes per row of max_length tokens
+    note: str = ""
+
+    def at(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+@dataclass
+class Plan:
+    device: Device
+    launch: Launch
+    micro_batch: int
+    max_length: int
+    lines: list[Line] = field(default_factory=list)
+
+    def total(self, rows: int | None = None) -> float:
+        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines)
+
+    def tensors(self, rows: int | None = None) -> float:
+        """What torch's allocator counts (torch.cuda.max_memory_allocated): all but the context and the slack."""
+        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines if not _outside(line))
+
+    @property
+    def largest_micro_batch(self) -> int:
+        """The most rows of max_length tokens per device that fit (0: not even one)."""
+        fixed = sum(line.fixed for line in self.lines)
+        per_row = sum(line.per_row for line in self.lines)
+        room = self.device.capacity - fixed
+        return max(0, int(room // per_row)) if per_row else 0
+
+    @property
+    def verdict(self) -> str:
+        share = self.total() / self.device.capacity
+        if share > 1:
+            return "does not fit"
+        return "fits, tightly" if share > TIGHT else "fits"
+
+
+def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
+    """The recipe's micro-batch; for `auto`, the largest that the plan fits and that splits the global batch into
+    whole accumulation steps."""
+    if not recipe.auto_micro_batch:
+        return recipe.train_setting("per_device_train_batch_size")
+    from finetune.config import GLOBAL_BATCH
+
+    largest = plan(recipe, shape, device, launch, 1).largest_micro_batch
+    per_process = recipe.train[GLOBAL_BATCH] // launch.processes
+    fitting = [rows for rows in range(1, min(largest, per_process) + 1) if per_process % rows == 0]
+    if not fitting:
+        single = plan(recipe, shape, device, launch, 1)
+        raise UserError(f"train.per_device_train_batch_size auto: not one row of {single.max_length} tokens fits "
+                        f"on {device.name} (the plan needs {format_bytes(single.total())} of {format_bytes(device.capacity)}); "
+                        + _advice(single))
+    return fitting[-1]
+
+
+def _outside(line: Line) -> bool:
+    return line.what in ("CUDA context", "allocator slack", "process")
+
+
+def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int | None = None) -> Plan:
+    """The per-device memory of training `recipe` (a model of `shape`) on `device` under `launch`."""
+    train = recipe.train
+    rows = micro_batch or (train["per_device_train_batch_size"] if isinstance(train.get("per_device_train_batch_size"), int)
+                           else 1)
+    length = train["max_length"]
+    compute = _compute_bytes(train, device)
+    shard = launch.processes if launch.sharded else 1
+    checkpointing = train.get("gradient_checkpointing", True)
+    attention = recipe.model.attn_implementation or ("eager" if shape.model_type == "gpt_oss" else "sdpa")
+    optim = str(recipe.train_setting("optim"))
+
+    plan_ = Plan(device, launch, rows, length)
+    add = plan_.lines.append
+    add(_weights(shape, recipe, compute, shard))
+    trainable = shape.adapter if recipe.method != "full" else shape.parameters
+    optimizer_bytes = OPTIMIZER_BYTES.get(optim, 8)  # others: counted as AdamW
+    kind = "adapter" if recipe.method != "full" else "trained weights"
+    add(Line(f"{kind}: gradients, optimizer", trainable * (4 + optimizer_bytes + (4 if recipe.method != "full" else 0)) / shard,
+             note=f"{trainable / 1e6:,.1f}M fp32 parameters{' (in weights above)' if recipe.method == 'full' else ''}, "
+                  f"their gradients, {optim} state ({optimizer_bytes:g} B each)"
+                  + (": paged, can spill to CPU memory" if PAGED in optim else "")))
+    if launch.processes > 1 and not launch.sharded:
+        add(Line("DDP gradient buckets", trainable * 4, note="a flat copy of the gradients for the all-reduce"))
+    if launch.sharded:
+        add(Line("gathered layer", shape.largest_layer * compute * 2,
+                 note="one layer's full weights while it runs, and the next one prefetched"))
+    materialized = attention == "eager" or (attention == "sdpa" and not device.cuda)
+    per_token, working = _activations(shape, recipe, compute, attention, materialized, checkpointing, length)
+    note = ("layer inputs kept (gradient checkpointing), one layer recomputed" if checkpointing else
+            "every layer's activations kept (no gradient checkpointing)") + f", {attention} attention"
+    if train.get("activation_offloading"):
+        per_token = per_token * 2 / (shape.layers + 1)  # kept in CPU memory but for the layers at work
+        note = "offloaded to CPU memory but for about two layers'"
+    add(Line("activations", 0, per_token * length, note=note))
+    add(Line("backward working set", 0, working * length, note="the gradients of one layer's activations"))
+    add(_loss(shape, train, compute, length))
+    if recipe.method == "qlora":
+        add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
+    if device.cuda:
+        add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters"))
+        tensors = plan_.tensors
+        add(Line("allocator slack", tensors(0) * ALLOCATOR_SLACK, (tensors(1) - tensors(0)) * ALLOCATOR_SLACK,
+                 note=f"cached blocks the allocator cannot reuse, about {ALLOCATOR_SLACK:.0%}"))
+    else:
+        add(Line("process", CPU_PROCESS, note="Python, the libraries, the tokenizer and the data"))
+    return plan_
+
+
+def _compute_bytes(train: dict, device: Device) -> int:
+    """Bytes of one activation value: bf16/fp16 when the recipe (or the GPU default) trains in them, else fp32."""
+    if train.get("bf16") or train.get("fp16"):
+        return 2
+    if train.get("bf16") is False and train.get("fp16") is False:
+        return 4
+    return 2 if device.cuda else 4
+
+
+def _weights(shape: Shape, recipe, compute: int, shard: int) -> Line:
+    if recipe.method == "full":
+        return Line("weights", shape.parameters * 4 / shard, note=f"{shape.parameters / 1e9:.2f}B parameters, fp32")
+    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}.get(recipe.model.dtype, compute)
+    name = {2: "bf16", 4: "fp32"}[dtype]
+    if recipe.method == "qlora":
+        # bitsandbytes through transformers quantizes Linear layers; Unsloth's 4-bit checkpoints also the experts
+        quantized = shape.linear + (shape.experts if recipe.model.backend == "unsloth" else 0)
+        rest = shape.parameters - quantized
+        kept = ["embeddings", *(["head"] if shape.head else []), "norms",
+                *(["experts"] if shape.experts and quantized == shape.linear else [])]
+        return Line("weights", (quantized * NF4_BYTES + rest * dtype) / shard,
+                    note=f"{quantized / 1e9:.2f}B in NF4 with their constants; {rest / 1e9:.2f}B "
+                         f"({', '.join(kept)}) in {name}")
+    note = f"{shape.parameters / 1e9:.2f}B parameters in {name}"
+    if shape.experts:
+        note += " (MXFP4 experts dequantized)"
+    return Line("weights", shape.parameters * dtype / shard, note=note)
+
+
+def _activations(shape: Shape, recipe, b: int, attention: str, materialized: bool, checkpointing: bool,
+                 length: int) -> tuple[float, float]:
+    """(bytes per token kept for the backward, bytes per token of the backward's working set on top).
+
+    `materialized`: the attention probabilities exist in full (eager attention, or sdpa's math kernel, which the
+    CPU takes for masked rows), one float32 (Llama) or compute-dtype (GPT-OSS) value per head and key position."""
+    h, q, kv, i = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate
+    norms = 2 * (4 * h + b * h)  # RMSNorm keeps its float32 input and hands the normalized value to the projections
+    if attention == "flash_attention_2":
+        attend = b * (3 * q + 2 * kv) + 4 * shape.heads  # q, k, v, output, o_proj input; log-sum-exp
+    else:  # sdpa with a mask (packed rows) and eager repeat k and v over the query heads
+        attend = b * 5 * q + 4 * shape.heads
+    probabilities = shape.heads * length * (b if shape.model_type == "gpt_oss" else 4) if materialized else 0
+    if shape.experts_per_token:
+        mlp = shape.experts_per_token * (7 * i * b + h * b)  # per chosen expert: gate_up, gate, sigmoid, glu, output
+    elif recipe.train.get("use_liger_kernel"):
+        mlp = 3 * i * b  # Liger's SwiGLU recomputes SiLU(gate) in the backward
+    else:
+        mlp = 4 * i * b  # gate, SiLU(gate), up, and their product (down_proj's input)
+    adapters = 0
+    if recipe.method != "full":
+        # In 16-bit training PEFT casts each adapter's input to the adapter's float32 and autocast casts it back: a
+        # 16-bit copy per adapted Linear. Dropout keeps its output and mask.
+        cast = b if b == 2 else 0
+        dropout = (b + 1) if recipe.lora.dropout else 0
+        adapters = sum(inputs * (cast + dropout) + recipe.lora.r * 4 for inputs in shape.adapted_inputs)
+    layer = norms + attend + probabilities + mlp + adapters
+    outside = 2 * b * h + 4 * h  # embedding output, final norm
+    if checkpointing:
+        kept = shape.layers * b * h + layer  # every layer's input, and one layer recomputed during the backward
+    else:
+        kept = shape.layers * layer
+    # the backward of one layer: the gradients of its widest activations, and of the probabilities and scores
+    working = 2 * max(i * (shape.experts_per_token or 1), q) * b + 2 * probabilities
+    return kept + outside, working
+
+
+def _loss(shape: Shape, train: dict, b: int, length: int) -> Line:
+    loss_type = train.get("loss_type") or "chunked_nll"
+    if loss_type == "chunked_nll" and not train.get("use_liger_kernel"):
+        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * 3, b * shape.hidden * length,
+                    note=f"logits of {LOSS_CHUNK} tokens at a time (TRL's chunked_nll)")
+    if train.get("use_liger_kernel"):
+        return Line("loss (Liger fused)", 0, b * shape.hidden * length, note="Liger's fused linear cross-entropy")
+    return Line("loss (full logits)", 0, (b + 8) * shape.vocab * length,
+                note="logits of every token, upcast to fp32, with their gradient")
+
+
+def describe(plan_: Plan, recipe_name: str) -> str:
+    """The plan as the table `finetune estimate` prints."""
+    rows = plan_.micro_batch
+    lines = [f"Memory plan for {recipe_name} on {plan_.device.name}, {plan_.launch.name}: per device, a micro-batch "
+             f"of {rows} x {plan_.max_length} tokens",
+             ""]
+    width = max(len(line.what) for line in plan_.lines)
+    for line in plan_.lines:
+        lines.append(f"  {line.what:<{width}}  {format_bytes(line.at(rows)):>9}  {line.note}")
+    total, capacity = plan_.total(), plan_.device.capacity
+    lines += ["  " + "-" * (width + 11),
+              f"  {'total':<{width}}  {format_bytes(total):>9}  of {format_bytes(capacity)} ({total / capacity:.0%}): {plan_.verdict}",
+              ""]
+    largest = plan_.largest_micro_batch
+    if largest:
+        lines.append(f"Largest micro-batch that fits at max_length {plan_.max_length}: {largest}"
+                     + (f" ({format_bytes(plan_.total(largest))})" if largest != rows else ""))
+    else:
+        lines.append(f"Not even one row of {plan_.max_length} tokens fits: " + _advice(plan_))
+    return "\n".join(lines)
+
+
+def _advice(plan_: Plan) -> str:
+    return ("shard the model (an FSDP or ZeRO-3 accelerate config), use method=qlora, or a card with more memory"
+            if plan_.total(0) > plan_.device.capacity else
+            "lower train.max_length, turn on train.gradient_checkpointing, or use method=qlora")
+
+
+def format_bytes(value: float) -> str:
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.0f} MiB"

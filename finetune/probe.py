@@ -1,0 +1,65 @@
+"""Measure what a plan predicts: real training steps, and the peak memory they reach on this machine.
+
+On a GPU the peak is torch's `max_memory_allocated` (the plan's tensors, without the CUDA context and the
+allocator's slack); on the CPU it is the process's peak resident memory (the plan's total), counted from the start
+of training, so loading the weights does not count.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from transformers import TrainerCallback
+
+PROBE_STEPS = 2
+
+
+def _resident_peak() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_resident_peak() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # resets VmHWM to the current resident size
+
+
+class PeakMemory(TrainerCallback):
+    """The peak memory of training steps: `peak` after training (bytes)."""
+
+    def __init__(self):
+        self.peak = 0
+        self.cuda = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        self.cuda = torch.cuda.is_available() and not args.use_cpu
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_resident_peak()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated() if self.cuda else _resident_peak())
+
+
+def probe(recipe_path: str, overrides: list[str]) -> int:
+    """Train PROBE_STEPS steps of the recipe (the longest batch comes first) in a scratch folder; the peak (bytes)."""
+    from finetune.training_run import run
+
+    meter = PeakMemory()
+    scratch = tempfile.mkdtemp(prefix="finetune-probe-")
+    try:
+        run(recipe_path, [*overrides, f"output_dir={scratch}/run", f"train.max_steps={PROBE_STEPS}",
+                          "train.save_strategy=no", "train.eval_strategy=no", "train.eval_on_start=false",
+                          "train.report_to=none"], callbacks=(meter,))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return meter.peak

@@ -1,0 +1,132 @@
+"""The memory plan: exact parameter counts, the shipped recipes' verdicts on their hardware, the launch it follows,
+the `auto` micro-batch that keeps the global batch, and the probe beside it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from finetune import memory_plan
+from finetune.architectures import gpt_oss_20b, llama_3_2_3b
+from finetune.config import load_recipe
+from finetune.errors import UserError
+from tests.conftest import run_cli, write_recipe
+
+HUB_MODELS = {
+    "unsloth/Llama-3.2-3B-Instruct": llama_3_2_3b,
+    "meta-llama/Llama-3.2-3B-Instruct": llama_3_2_3b,
+    "openai/gpt-oss-20b": gpt_oss_20b,
+    "unsloth/gpt-oss-20b-unsloth-bnb-4bit": gpt_oss_20b,
+}
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """A Hugging Face cache holding only the configs of the shipped recipes' models, as `hf download` leaves them."""
+    root = tmp_path_factory.mktemp("hub-cache")
+    commit = "0" * 40
+    for repo, make_config in HUB_MODELS.items():
+        folder = root / f"models--{repo.replace('/', '--')}"
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text(commit)
+        make_config().save_pretrained(folder / "snapshots" / commit)
+    return {**os.environ, "HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+def estimate(hub_cache, *args: str) -> str:
+    result = run_cli("estimate", *args, env=hub_cache, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def recipe_for(tmp_path, *overrides: str):
+    path = write_recipe(tmp_path, "model: {name_or_path: some/model}\ndata: {train: data.jsonl}\n")
+    return load_recipe(path, list(overrides))
+
+
+def test_parameter_counts_are_exact_from_the_config(tmp_path):
+    llama = memory_plan.model_shape(llama_3_2_3b(), recipe_for(tmp_path, "method=qlora"))
+    assert llama.parameters == 3_212_749_824
+    assert llama.adapter == 24_313_856  # r 16 on every linear layer: what PEFT trains
+    assert llama.head == 0  # tied to the embedding
+    gpt_oss = memory_plan.model_shape(gpt_oss_20b(), recipe_for(tmp_path, "method=full"))
+    assert gpt_oss.parameters == 20_914_757_184
+    assert gpt_oss.experts == 24 * 32 * (2880 * 5760 + 2880 * 2880)
+
+
+def test_shipped_recipes_on_their_hardware(hub_cache):
+    qlora = estimate(hub_cache, "llama-3.2-3b-unsloth-qlora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
+    assert "NVIDIA A10 24 GB, DDP on 8 processes" in qlora and ": fits" in qlora
+    assert "2.82B in NF4" in qlora and "DDP gradient buckets" in qlora
+
+    on_a10 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
+    assert ": does not fit" in on_a10 and "Not even one row of 2048 tokens fits: shard the model" in on_a10
+    on_h100 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "h100", "--accelerate-config", "ddp_8xh100")
+    assert ": fits" in on_h100 and "eager attention" in on_h100 and "MXFP4 experts dequantized" in on_h100
+
+    # FSDP shards the bf16 weights over the 8 cards, and then the 20B model fits on A10s
+    sharded = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "fsdp2_8gpu")
+    assert "FSDP on 8 processes" in sharded and ": fits" in sharded and "gathered layer" in sharded
+
+
+def test_plan_follows_the_recipe(tmp_path):
+    shape_of = {}
+
+    def total(*overrides, device="h100", processes=1, sharded=False):
+        recipe = recipe_for(tmp_path, "train.max_length=4096", *overrides)
+        key = (recipe.method, recipe.model.backend)
+        shape_of.setdefault(key, memory_plan.model_shape(gpt_oss_20b(), recipe))
+        launch = memory_plan.Launch(processes, sharded, "test")
+        return memory_plan.plan(recipe, shape_of[key], memory_plan.device_named(device), launch, 1).total()
+
+    plain = total()
+    assert total("train.gradient_checkpointing=false") > plain + 20 * memory_plan.GIB  # eager scores of 24 layers
+    assert total("train.optim=adamw_8bit") < plain
+    assert total(processes=8) > plain  # DDP's gradient buckets
+    assert total(processes=8, sharded=True) < plain - 30 * memory_plan.GIB  # 7/8 of 39 GiB of weights
+    assert total("model.attn_implementation=flash_attention_2") < plain
+    assert total("train.loss_type=nll") > plain + 7 * memory_plan.GIB  # 4096 x 201088 logits, 10 bytes each
+
+
+def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
+    recipe = recipe_for(tmp_path, "train.per_device_train_batch_size=auto", "train.global_batch_size=16",
+                        "train.max_length=2048", "method=qlora")
+    shape = memory_plan.model_shape(llama_3_2_3b(), recipe)
+    launch = memory_plan.Launch(2, False, "DDP on 2 processes")
+    card = memory_plan.device_named("a10")
+    fits = memory_plan.plan(recipe, shape, card, launch, 1).largest_micro_batch
+    assert fits >= 8
+    assert memory_plan.micro_batch_of(recipe, card, launch, shape) == 8  # all 8 rows a process takes, at once
+    # a card where 3 rows fit: 3 does not divide the 8 rows per process, so 2 rows x 4 accumulation steps
+    three = memory_plan.plan(recipe, shape, card, launch, 3).total() + 1
+    small = memory_plan.Device("a small card", int(three), cuda=True)
+    assert memory_plan.plan(recipe, shape, small, launch, 1).largest_micro_batch == 3
+    micro = memory_plan.micro_batch_of(recipe, small, launch, shape)
+    assert (micro, recipe.batch_split(2, micro)) == (2, (2, 4))
+    assert micro * recipe.batch_split(2, micro)[1] * 2 == 16
+    tiny = memory_plan.Device("a tiny card", 4 * memory_plan.GIB, cuda=True)
+    with pytest.raises(UserError, match="not one row of 2048 tokens fits on a tiny card"):
+        memory_plan.micro_batch_of(recipe, tiny, launch, shape)
+
+
+def test_training_with_auto_micro_batch(tmp_path):
+    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", "train.per_device_train_batch_size=auto",
+                     "train.global_batch_size=8", "train.max_steps=2", "train.save_strategy=no")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("micro-batch auto:"))
+    assert line.endswith("= global batch 8") and "8 rows of 256 tokens per process" in line
+
+
+def test_a_hub_model_whose_config_is_not_here(tmp_path):
+    result = run_cli("estimate", "quickstart", "model.name_or_path=nobody/not-downloaded", "--gpu", "a10",
+                     env={**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "'nobody/not-downloaded' is not a local folder, it is not in the local Hugging Face cache" in result.stderr
+
+
+def test_probe_measures_beside_the_plan():
+    result = run_cli("estimate", "quickstart", "--device", "cpu", "--probe")
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = result.stdout.strip().splitlines()[-1]
+    assert probe.startswith("Probe: measured ") and "(peak resident memory), planned " in probe
