@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import ASSETS, gsm8k_rows  # noqa: E402  (the benchmarks share their data)
 
 SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32),  # a smoke run of the script
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
     "medium": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
@@ -126,7 +128,7 @@ def compare_trl_one(model: str, data: str, length: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--sizes", default="small,medium,1b")
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--checkpointing", default="on,off")

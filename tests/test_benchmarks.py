@@ -30,3 +30,18 @@ def test_throughput_script_runs_all_ways(tmp_path):
     assert results[1]["real_fraction"] == 1.0  # padding-free batches have no padding at all
     assert "vs plain TRL" in result.stdout
 
+
+
+def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
+    asset("tokenizers/llama-3.2-instruct")
+    asset("datasets/gsm8k/train.jsonl")
+    out = tmp_path / "memory.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--sizes", "tiny", "--lengths", "128",
+         "--methods", "lora-fp32", "--checkpointing", "on", "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a case outside the target, which is a finding
+    [case] = json.loads(out.read_text())
+    assert case["planned"] > 0 and case["measured"] > 0 and case["off"] == (case["planned"] - case["measured"]) / \
+        case["measured"]

@@ -136,6 +136,9 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
         ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
         assert ok[1] == "✓ The recipe and its data are valid." and "builtin:greetings" in ok[0]
+        plan = api.predict("quickstart", "cpu_ddp_2proc", "a10", "r1", *FIELDS, LONG_RUN, api_name="/plan")
+        assert "on NVIDIA A10 24 GB, DDP on 2 processes" in plan and "DDP gradient buckets" in plan and ": fits" in plan
+        assert "Largest micro-batch that fits at max_length" in plan
         launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
         assert launched[4].startswith("run-") and not (workspace / "runs" / launched[4]).exists()  # the next name

@@ -18,6 +18,8 @@ from ui.chat_models import ChatModels
 from ui.workspace import FIELDS, PanelError, RunInfo, Workspace, check_name
 
 ONE_PROCESS = "one process (finetune train)"
+THIS_CPU = "this machine's CPU"
+GPU_CHOICES = [THIS_CPU, "a10", "l4", "a100-40", "a100-80", "h100", "h200"]
 CSS = """
 .status-card {border-radius: 10px; padding: 10px 14px; background: var(--block-background-fill);}
 .field-error {color: var(--error-text-color, #b91c1c); font-size: 0.9em;}
@@ -48,6 +50,11 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             train_message = gr.Markdown()
             field_errors = gr.Markdown(elem_classes="field-error")
             command_view = gr.Code(label="Command", language="shell", interactive=False, lines=3, max_lines=12)
+            with gr.Row():
+                gpu = gr.Dropdown(GPU_CHOICES, value=THIS_CPU, label="Plan memory for", scale=1)
+                plan_button = gr.Button("Plan memory", scale=1)
+            memory = gr.Code(label="Memory plan per device (finetune estimate)", language=None, interactive=False,
+                             lines=6, max_lines=20)
             with gr.Accordion("Validation report", open=False) as report:
                 validation = gr.Code(label="Validation", language="yaml", interactive=False, lines=8, max_lines=30)
 
@@ -151,6 +158,13 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             return (text, f"✓ Launched **{name}**{note}: follow it in the Live tab.", "",
                     gr.update(choices=_run_names(workspace), value=name), workspace.free_run_name())
 
+        def plan_memory(recipe_name, launch_with, gpu_choice, name, *values):
+            try:
+                return workspace.estimate(recipe_name, overrides_of(*values), _accelerate(launch_with),
+                                          None if gpu_choice == THIS_CPU else gpu_choice)
+            except PanelError as error:
+                return f"{error}"
+
         def uploaded(file):
             if file is None:
                 return gr.update(), ""
@@ -170,6 +184,9 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                               api_name="validate")
         launch_button.click(launch, train_inputs, [validation, train_message, field_errors, live_run, run_name],
                             api_name="launch")
+        plan_inputs = [recipe, launcher, gpu, run_name, *fields.values(), extra]
+        plan_button.click(plan_memory, plan_inputs, memory, api_name="plan")
+        gpu.change(plan_memory, plan_inputs, memory)
         app.load(fill_fields, recipe, [*fields.values(), train_message])
         app.load(preview, train_inputs, command_view)
 

@@ -150,6 +150,15 @@ class Workspace:
         result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=900)
         return result.returncode == 0, (result.stdout if result.returncode == 0 else result.stderr).strip()
 
+    def estimate(self, recipe: str, overrides: list[str], accelerate_config: str | None, gpu: str | None) -> str:
+        """`finetune estimate` in a child process: the memory plan's table, or its error message."""
+        command = [sys.executable, "-m", "finetune", "estimate", str(self.recipe_path(recipe)), *overrides,
+                   *(["--gpu", gpu] if gpu else ["--device", "cpu"])]
+        if accelerate_config:
+            command += ["--accelerate-config", accelerate_config]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=300)
+        return (result.stdout if result.returncode == 0 else result.stderr).strip()
+
     def launch(self, command: list[str], run_name: str, resuming: bool = False) -> int:
         """Start a run in its own process group; returns its process id (= its group id)."""
         self.create()
