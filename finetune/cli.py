@@ -88,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--probe", action="store_true",
                           help="also run two real training steps with the recipe's longest batch here, and print "
                           "the measured peak beside the plan")
+    doctor = commands.add_parser(
+        "doctor", help="check what runs depend on here: versions, GPUs, disk, Hub token; --ddp: a DDP health check",
+        description="Report torch, CUDA and NCCL versions, GPUs with memory and bf16 support, Unsloth, bitsandbytes, "
+        "FlashAttention, Liger and DeepSpeed, whether the installed versions agree with the pins, free disk at the "
+        "output folder and caches, and whether a Hub token is configured.",
+    )
+    doctor.add_argument("--ddp", nargs="?", type=int, const=0, metavar="N",
+                        help="also train a small network with plain PyTorch DDP on N processes (default: every GPU, "
+                        "or two CPU processes), checking that all ranks agree, and time an all-reduce")
+    doctor.add_argument("--output-dir", default="runs", help="where runs will be written (for its free disk)")
+    doctor.set_defaults(command=doctor_command)
     chat = commands.add_parser(
         "chat", help="chat with a trained model (a run's final/, a checkpoint-N/ or an export)",
         description="Chat with a trained model, with the chat template used in training. Interactive, with history "
@@ -233,6 +244,18 @@ def _quiet_loading() -> None:
 
 def _dim(text: str) -> str:
     return f"\033[2m{text}\033[0m" if sys.stdout.isatty() else text
+
+
+def doctor_command(args) -> int:
+    from finetune import doctor
+
+    print(doctor.report(args.output_dir), flush=True)
+    if args.ddp is not None:
+        if args.ddp < 0 or args.ddp == 1:
+            raise UserError("--ddp N: N is the number of processes, at least 2 (or leave it out)")
+        print("\nDDP health check ...", flush=True)
+        print(doctor.ddp_check(args.ddp or None))
+    return 0
 
 
 def estimate_command(args) -> int:

@@ -1,0 +1,45 @@
+"""`finetune doctor`: the environment report, and the DDP health check passing on two CPU processes and failing
+clearly, naming the rank, when one rank disagrees or hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def test_report_names_versions_pins_disk_and_token(tmp_path):
+    result = run_cli("doctor", "--output-dir", str(tmp_path / "runs"),
+                     env={**os.environ, "HF_TOKEN": "hf_secret_never_shown"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = result.stdout
+    assert "torch 2.13.0" in report and "GPUs: none visible" in report
+    assert "transformers: 5.17.0" in report and "trl: 1.14.2" in report and "bitsandbytes: 0.50.2" in report
+    assert "unsloth (extra unsloth): not installed" in report and "Liger: not installed" in report
+    assert f"output {tmp_path / 'runs'}: " in report and "GiB free" in report
+    assert "Hub token: configured (not shown)" in report and "hf_secret" not in report
+
+
+def test_ddp_check_passes_on_two_cpu_processes():
+    result = run_cli("doctor", "--ddp", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DDP health check passed: 2 processes (gloo), 5 steps with gradients and weights equal on every rank" \
+        in result.stdout and "bus bandwidth" in result.stdout
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("disagree:1", "rank 1's weights differ from rank 0's after step 2"),
+    ("hang:1", "rank 1 hangs (last heard in step 2) while rank 0 waits for it in step 3"),
+])
+def test_ddp_check_names_the_rank_that_disagrees_or_hangs(fault, message):
+    started = time.monotonic()
+    result = run_cli("doctor", "--ddp", "2", env={**os.environ, "FINETUNE_DOCTOR_FAULT": fault}, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"error: DDP health check failed: {message}" in result.stderr
+    assert time.monotonic() - started < 60  # a hang is reported, never waited out
+    leftover = subprocess.run(["pgrep", "-f", "finetune.doctor"], capture_output=True, text=True).stdout.split()
+    assert leftover == []
