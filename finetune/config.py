@@ -74,8 +74,10 @@ class LoraSection:
 
 @dataclass
 class DataSection:
-    train: str | list[str] | None = field(
-        default=None, metadata={"help": "JSONL/JSON/Parquet/CSV file, folder of them, Hub dataset name, or a list."}
+    train: str | list[str | dict[str, Any]] | None = field(
+        default=None, metadata={"help": "JSONL/JSON/Parquet/CSV file, folder of them, Hub dataset name, or a list "
+                                        "of them; a list entry {path: ..., rows: N | fraction: F | weight: W} "
+                                        "takes a share of that source (a mixture)."}
     )
     eval: str | list[str] | None = field(default=None, metadata={"help": "Like train; or use eval_fraction."})
     eval_fraction: float = field(default=0.0, metadata={"help": "Share of train rows held out for evaluation."})
@@ -109,6 +111,10 @@ class DataSection:
                                           "them (the count is reported), or fail listing them."}
     )
     max_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows of each split."})
+    num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that render and tokenize the data; default: the cores, up to 8 "
+                                        "(one for fewer than 2,000 rows). The result does not depend on it."}
+    )
     template_date: str = field(
         default="2024-07-26",
         metadata={"help": "The date chat templates see (YYYY-MM-DD), fixed so renders are reproducible."},
@@ -354,6 +360,10 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
             raise UserError(f"{origin('lora.' + name)}: lora.{name} must be a positive whole number")
     if not 0 <= recipe.lora.dropout < 1:
         raise UserError(f"{origin('lora.dropout')}: lora.dropout must be at least 0 and below 1")
+    for index, entry in enumerate(recipe.data.train if isinstance(recipe.data.train, list) else []):
+        _check_mixture_entry(entry, f"data.train[{index}]", origin("data.train"))
+    if recipe.data.num_proc is not None and recipe.data.num_proc <= 0:
+        raise UserError(f"{origin('data.num_proc')}: data.num_proc must be a positive whole number")
     if recipe.data.max_rows is not None and recipe.data.max_rows <= 0:
         raise UserError(f"{origin('data.max_rows')}: data.max_rows must be a positive whole number")
     try:
@@ -362,6 +372,30 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
         date.fromisoformat(recipe.data.template_date)
     except ValueError:
         raise UserError(f"{origin('data.template_date')}: data.template_date must be a date as YYYY-MM-DD") from None
+
+
+MIXTURE_SHARES = ("rows", "fraction", "weight")
+
+
+def _check_mixture_entry(entry, key: str, where: str) -> None:
+    """A mixture entry: {path, and at most one of rows (a count), fraction (of the source), weight (its share of
+    the weighted sources' rows)}."""
+    if not isinstance(entry, dict):
+        return
+    unknown = [name for name in entry if name not in ("path", *MIXTURE_SHARES)]
+    if unknown or not isinstance(entry.get("path"), str):
+        raise UserError(f"{where}: {key} takes path: and one of {', '.join(MIXTURE_SHARES)}"
+                        + (f"; {unknown[0]!r} is not one of them" if unknown else "; its path: is missing"))
+    shares = [name for name in MIXTURE_SHARES if name in entry]
+    if len(shares) > 1:
+        raise UserError(f"{where}: {key} sets both {shares[0]} and {shares[1]}; keep one")
+    for name in shares:
+        value = entry[name]
+        whole = name == "rows"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0 \
+                or not math.isfinite(value):
+            raise UserError(f"{where}: {key}.{name} must be a positive {'whole ' if whole else ''}number, "
+                            f"got {value!r}")
 
 
 def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]:

@@ -31,6 +31,9 @@ def describe_data(report: dict) -> str:
                 f"    packed into {stats['packed_rows']:,} rows of up to {report['max_length']} tokens, "
                 f"{stats['packed_fill']:.1%} full; batches are padding-free (100% real tokens)"
             )
+    for source in report.get("sources", []):
+        share = next((f" ({key} {source[key]:g})" for key in ("rows", "fraction", "weight") if key in source), "")
+        lines.append(f"  source {source['source']}: {source['used']:,} rows of its {source['available']:,}{share}")
     bad = report["bad_rows"]
     if bad["count"]:
         lines.append(f"  bad rows dropped (data.bad_rows={bad['policy']}): {bad['count']:,}")

@@ -45,6 +45,7 @@ MAY_CHANGE = {
     "train.run_name",
     "train.disable_tqdm",
     "train.dataloader_num_workers",
+    "data.num_proc",
 }
 
 

@@ -10,7 +10,7 @@ from finetune.config import load_recipe
 from finetune.data import pipeline
 from finetune.data.pipeline import prepare
 from finetune.errors import UserError
-from tests.conftest import write_recipe
+from tests.conftest import asset, write_recipe
 
 
 def alpaca(i: int) -> dict:
@@ -120,3 +120,68 @@ def test_cached_by_content(tmp_path, monkeypatch):
     with pytest.raises(pytest.fail.Exception):
         run(recipe)  # contents changed: prepared again
     assert len(built) == 1
+
+
+def test_parallel_preparation_is_the_same_and_says_how_far_it_is(tmp_path, monkeypatch, capsys, llama_tokenizer):
+    """GSM8K through the Llama 3.2 template on one and on two worker processes: the same rows, masks and report,
+    with progress lines (rows done, rows/s, time left) while it runs."""
+    from finetune.data.render import training_template
+
+    gsm8k = asset("datasets/gsm8k/train.jsonl")
+    data = tmp_path / "gsm8k.jsonl"
+    with open(gsm8k, encoding="utf-8") as rows:
+        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                         {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                                for r in map(json.loads, list(rows)[:2500])), encoding="utf-8")
+    template = training_template(llama_tokenizer, llama_tokenizer.chat_template)
+    monkeypatch.setattr(pipeline, "PROGRESS_EVERY_S", 0.5)
+    prepared = {}
+    for processes in (1, 2):
+        recipe = recipe_for(tmp_path, data, f"data.num_proc={processes}", "train.max_length=512",
+                            "train.packing=false", "data.eval_fraction=0.1")
+        monkeypatch.setattr(pipeline, "_cache_key", lambda *args, p=processes: f"parallel-{p}")
+        prepared[processes] = prepare(recipe, llama_tokenizer, template)
+    one, two = prepared[1], prepared[2]
+    assert one.report == two.report and len(one.train) == 2250 and len(one.eval) == 250
+    assert one.train["input_ids"] == two.train["input_ids"] and one.train["labels"] == two.train["labels"]
+    assert one.eval["labels"] == two.eval["labels"]
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("preparing train: ")]
+    assert progress and all(" of 2,250 rows, " in line and " rows/s, " in line and line.endswith(" s left")
+                            for line in progress)
+
+
+def test_mixtures_take_each_source_share_deterministically(tmp_path):
+    for name, count in (("a", 10), ("b", 20)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(alpaca(f"{name}{i}")) + "\n" for i in range(count)))
+
+    def mixed(train: str, seed: int = 42):
+        text = f"model: {{name_or_path: builtin:tiny-llama}}\ndata: {{train: {train}}}\n"
+        recipe = load_recipe(write_recipe(tmp_path, text), ["train.max_length=128", "train.packing=false",
+                                                            f"train.seed={seed}"])
+        return run(recipe)
+
+    rows = mixed(f"[{{path: {tmp_path / 'a.jsonl'}, rows: 15}}, {{path: {tmp_path / 'b.jsonl'}, fraction: 0.5}}]")
+    assert rows.report["rows"]["train"] == 25
+    assert [(s["used"], s["available"]) for s in rows.report["sources"]] == [(15, 10), (10, 20)]
+    again = mixed(f"[{{path: {tmp_path / 'a.jsonl'}, rows: 15}}, {{path: {tmp_path / 'b.jsonl'}, fraction: 0.5}}]")
+    assert again.train["input_ids"] == rows.train["input_ids"]  # the same rows for the same seed
+    other = mixed(f"[{{path: {tmp_path / 'a.jsonl'}, rows: 15}}, {{path: {tmp_path / 'b.jsonl'}, fraction: 0.5}}]",
+                  seed=7)
+    assert other.train["input_ids"] != rows.train["input_ids"]
+    weighted = mixed(f"[{{path: {tmp_path / 'a.jsonl'}, weight: 1}}, {{path: {tmp_path / 'b.jsonl'}, weight: 3}}]")
+    assert [s["used"] for s in weighted.report["sources"]] == [8, 22]  # a quarter and three quarters of 30 rows
+
+    from finetune.report import describe_data
+
+    assert f"source {tmp_path / 'a.jsonl'}: 15 rows of its 10 (rows 15)" in describe_data(rows.report)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{path: a.jsonl, rows: 5, fraction: 0.5}", "data.train[0] sets both rows and fraction; keep one"),
+    ("{path: a.jsonl, share: 2}", "data.train[0] takes path: and one of rows, fraction, weight; 'share' is not"),
+    ("{rows: 5}", "its path: is missing"),
+    ("{path: a.jsonl, rows: 0}", "data.train[0].rows must be a positive whole number, got 0"),
+])
+def test_mixture_entries_are_checked(tmp_path, entry, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(write_recipe(tmp_path, f"model: {{name_or_path: builtin:tiny-llama}}\ndata: {{train: [{entry}]}}\n"))

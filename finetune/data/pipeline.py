@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -28,6 +31,11 @@ from finetune.errors import UserError
 
 SHOWN_BAD_ROWS = 10
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
+PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
+MOST_PROCESSES = 8
+PROGRESS_EVERY_S = 5.0
+
+logger = logging.getLogger("finetune")
 
 
 @dataclass
@@ -40,10 +48,10 @@ class PreparedData:
 def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
     """The tokenized datasets for `recipe`, from the cache when the same data was prepared before."""
     data = recipe.data
-    train_sources = [sources.resolve(s, "data.train") for s in _as_list(data.train)]
-    eval_sources = [sources.resolve(s, "data.eval") for s in _as_list(data.eval)]
+    train_sources = [sources.resolve(_path(s), "data.train") for s in _as_list(data.train)]
+    eval_sources = [sources.resolve(_path(s), "data.eval") for s in _as_list(data.eval)]
     settings = {
-        "data": dataclasses.asdict(data),
+        "data": {key: value for key, value in dataclasses.asdict(data).items() if key != "num_proc"},
         "max_length": recipe.train["max_length"],
         "packing": recipe.train["packing"],
         "seed": recipe.train["seed"],
@@ -57,8 +65,44 @@ def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
     return _load(folder)
 
 
-def _as_list(value) -> list[str]:
+def _as_list(value) -> list:
     return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _path(entry) -> str:
+    """A data entry's source: the entry itself, or a mixture entry's path."""
+    return entry["path"] if isinstance(entry, dict) else entry
+
+
+def _mix(per_source: list[list], entries: list, seed: int) -> tuple[list, list[dict]]:
+    """The examples of every source, each source cut to its share (rows, fraction, or weight: its part of the
+    weighted sources' rows together), sampled with the seed (a share above the source's size repeats rows);
+    and what each source gave."""
+    weighted = [(i, entry["weight"]) for i, entry in enumerate(entries) if isinstance(entry, dict) and "weight" in entry]
+    weighted_rows = sum(len(per_source[i]) for i, _ in weighted)
+    total_weight = sum(weight for _, weight in weighted)
+    mixed, shares = [], []
+    for index, (examples, entry) in enumerate(zip(per_source, entries)):
+        share = {key: entry[key] for key in ("rows", "fraction", "weight") if isinstance(entry, dict) and key in entry}
+        count = len(examples)
+        if "rows" in share:
+            count = share["rows"]
+        elif "fraction" in share:
+            count = round(share["fraction"] * len(examples))
+        elif "weight" in share:
+            count = round(share["weight"] / total_weight * weighted_rows)
+        taken = _sample(examples, count, random.Random(f"{seed}:{index}")) if examples else []
+        mixed += taken
+        shares.append({"source": _path(entry), "available": len(examples), "used": len(taken), **share})
+    return mixed, shares
+
+
+def _sample(examples: list, count: int, rng: random.Random) -> list:
+    if count == len(examples):
+        return examples
+    repeats, rest = divmod(count, len(examples))
+    chosen = sorted(rng.sample(range(len(examples)), rest))  # in file order: the sampler shuffles later
+    return examples * repeats + [examples[i] for i in chosen]
 
 
 def _cache_key(train_sources, eval_sources, settings, tokenizer, template) -> str:
@@ -100,7 +144,8 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     datasets.disable_progress_bars()
     data = recipe.data
     bad: list[str] = []
-    train_examples = _examples(train_sources, data, bad)
+    train_examples, mixture = _mix([_examples([source], data, bad) for source in train_sources],
+                                   _as_list(data.train), recipe.train["seed"])
     if eval_sources:
         eval_examples = _examples(eval_sources, data, bad)
     else:
@@ -113,8 +158,32 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
                         data.template_kwargs)
     max_length = recipe.train["max_length"]
     too_long: list[str] = []
-    train_rows, train_stats = _encode(train_examples, renderer, max_length, bad, too_long)
-    eval_rows, eval_stats = _encode(eval_examples, renderer, max_length, bad, too_long)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
+    try:
+        report = _encode_splits(staging, recipe, tokenizer, renderer, train_examples, eval_examples, bad, too_long)
+        if len(mixture) > 1:
+            report["sources"] = mixture
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    (staging / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    try:
+        staging.rename(folder)
+    except OSError:  # another process finished the same preparation first
+        shutil.rmtree(staging)
+
+
+def _encode_splits(staging: Path, recipe, tokenizer, renderer, train_examples, eval_examples, bad, too_long) -> dict:
+    """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
+    import datasets
+
+    data, max_length = recipe.data, recipe.train["max_length"]
+    processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
+    train_table, train_stats = _encode(train_examples, renderer, max_length, bad, too_long, staging / "train.arrow",
+                                       processes, "train")
+    eval_table, eval_stats = _encode(eval_examples, renderer, max_length, bad, too_long, staging / "eval.arrow",
+                                     processes, "eval")
     if bad and data.bad_rows == "fail":
         raise _bad_rows_error(bad)
     if too_long and data.too_long == "fail":
@@ -122,34 +191,29 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
             too_long, f"longer than train.max_length ({max_length}) before any token that carries loss",
             "Raise train.max_length, shorten them, or set data.too_long=drop to leave them out (the count is "
             "reported)")
-    if not train_rows:
+    if not len(train_table):
         raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
 
+    first = train_table[0]
     report = {
-        "rows": {"train": len(train_rows), "eval": len(eval_rows)},
+        "rows": {"train": len(train_table), "eval": len(eval_table)},
         "bad_rows": {"count": len(bad), "shown": bad[:SHOWN_BAD_ROWS], "policy": data.bad_rows},
         "train": train_stats,
         "eval": eval_stats,
         "max_length": max_length,
-        "example": _marked_example(tokenizer, *train_rows[0]),
+        "example": _marked_example(tokenizer, first["input_ids"], first["labels"]),
     }
-    splits = {"train": train_rows, "eval": eval_rows}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
-    for name, rows in splits.items():
-        if not rows:
+    for name, table in {"train": train_table, "eval": eval_table}.items():
+        if not len(table):
             continue
-        table = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
         if recipe.train["packing"]:
             table = _pack(table, max_length)
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
         table.save_to_disk(str(staging / name))
-    (staging / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    try:
-        staging.rename(folder)
-    except OSError:  # another process finished the same preparation first
-        shutil.rmtree(staging)
+    for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
+        rows_file.unlink()
+    return report
 
 
 def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -222,26 +286,39 @@ def _check_one_format(source, found: dict[str, str]) -> None:
         )
 
 
-def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str]):
-    rows, lengths, truncated, untrainable = [], [], 0, 0
-    for where, example in examples:
-        try:
-            ids, labels = renderer.encode(example)
-        except BadRow as reason:
-            bad.append(f"{where}: {reason}")
-            continue
-        lengths.append(len(ids))
-        if len(ids) > max_length:
-            truncated += 1
-            ids, labels = ids[:max_length], labels[:max_length]
-        if all(label == IGNORE for label in labels):
-            untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
-            too_long.append(f"{where}: {lengths[-1]:,} tokens")
-            continue
-        rows.append((ids, labels))
-    tokens = sum(len(ids) for ids, _ in rows)
-    trained = sum(label != IGNORE for _, labels in rows for label in labels)
-    return rows, {
+def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str], path: Path,
+            processes: int, split: str):
+    """Encode `examples` into an Arrow file at `path`, row by row (nothing held but the lengths), on `processes`
+    worker processes for large splits, saying how far it is; (the rows as a Dataset, their statistics)."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "labels": datasets.Sequence(datasets.Value("int64"))})
+    lengths, truncated, untrainable, tokens, trained = [], 0, 0, 0, 0
+    progress = _Progress(split, len(examples))
+    with ArrowWriter(features=features, path=str(path)) as writer:
+        for (where, _), encoded in zip(examples, _encoded(examples, renderer, processes)):
+            progress.advance()
+            if isinstance(encoded, BadRow):
+                bad.append(f"{where}: {encoded}")
+                continue
+            ids, labels = encoded
+            lengths.append(len(ids))
+            if len(ids) > max_length:
+                truncated += 1
+                ids, labels = ids[:max_length], labels[:max_length]
+            if all(label == IGNORE for label in labels):
+                untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
+                too_long.append(f"{where}: {lengths[-1]:,} tokens")
+                continue
+            tokens += len(ids)
+            trained += sum(label != IGNORE for label in labels)
+            writer.write({"input_ids": ids, "labels": labels})
+        writer.finalize()
+    progress.finish()
+    table = datasets.Dataset.from_file(str(path))
+    return table, {
         "tokens": tokens,
         "trained_tokens": trained,
         "trained_fraction": trained / tokens if tokens else 0.0,
@@ -249,6 +326,56 @@ def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_l
         "truncated_rows": truncated,
         "dropped_no_trained_tokens": untrainable,
     }
+
+
+_worker_renderer: Renderer | None = None  # a worker process's renderer, inherited from the parent at fork
+
+
+def _encode_one(example: dict):
+    try:
+        return _worker_renderer.encode(example)
+    except BadRow as reason:
+        return reason
+
+
+def _encoded(examples, renderer: Renderer, processes: int):
+    """Each example's (ids, labels), or its BadRow, in order."""
+    global _worker_renderer
+    _worker_renderer = renderer
+    if processes <= 1 or len(examples) < PARALLEL_FROM:
+        yield from (_encode_one(example) for _, example in examples)
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        yield from pool.imap(_encode_one, (example for _, example in examples), chunksize=32)
+
+
+class _Progress:
+    """Rows done, rows/s and the time left, every few seconds while a split is encoded (terminal and train.log)."""
+
+    def __init__(self, split: str, total: int):
+        self.split, self.total, self.done = split, total, 0
+        self.started = self.said = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.said >= PROGRESS_EVERY_S:
+            self.said = now
+            rate = self.done / (now - self.started)
+            self._say(f"preparing {self.split}: {self.done:,} of {self.total:,} rows, {rate:,.0f} rows/s, "
+                      f"{(self.total - self.done) / rate:,.0f} s left")
+
+    def finish(self) -> None:
+        seconds = time.monotonic() - self.started
+        if seconds >= PROGRESS_EVERY_S:
+            self._say(f"prepared {self.split}: {self.done:,} rows in {seconds:,.1f} s "
+                      f"({self.done / seconds:,.0f} rows/s)")
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(line, flush=True)
+        logger.info(line)
 
 
 def _percentiles(lengths: list[int]) -> dict[str, int]:
