@@ -130,3 +130,20 @@ def test_probe_measures_beside_the_plan():
     assert result.returncode == 0, result.stderr[-3000:]
     probe = result.stdout.strip().splitlines()[-1]
     assert probe.startswith("Probe: measured ") and "(peak resident memory), planned " in probe
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",
+                                  "gpt-oss-20b-unsloth-qlora"])
+def test_recipe_headers_state_what_estimate_says(hub_cache, name):
+    import re
+
+    from finetune.resources import find_recipe
+
+    header = " ".join(line.lstrip("# ") for line in find_recipe(name).read_text().splitlines()
+                      if line.startswith("#"))
+    claim = re.search(r"`finetune estimate ([^`]+)`: ([\d.]+) GiB of ([\d.]+)", header)
+    assert claim, f"{name}'s header gives no figure from finetune estimate"
+    printed = estimate(hub_cache, *claim.group(1).split())
+    total = re.search(r"total\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
+    assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == \
+        (float(claim.group(2)), float(claim.group(3)))
