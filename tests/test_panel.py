@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -136,12 +135,14 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
         ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
         assert ok[1] == "✓ The recipe and its data are valid." and "builtin:greetings" in ok[0]
+        unnamed = api.predict("quickstart", "one process (finetune train)", "", *FIELDS, LONG_RUN, api_name="/validate")
+        assert f"output_dir: {workspace / 'runs' / 'run-'}" in unnamed[0]  # an empty name: a fresh one
         plan = api.predict("quickstart", "cpu_ddp_2proc", "a10", "r1", *FIELDS, LONG_RUN, api_name="/plan")
         assert "on NVIDIA A10 24 GB, DDP on 2 processes" in plan and "DDP gradient buckets" in plan and ": fits" in plan
         assert "Largest micro-batch that fits at max_length" in plan
         launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
-        assert launched[4].startswith("run-") and not (workspace / "runs" / launched[4]).exists()  # the next name
+        assert launched[4] == ""  # the next Launch takes a fresh name
         pid = json.loads((workspace / ".launches" / "r1.json").read_text())["pid"]
 
         # The panel goes away; the run does not; a new panel finds it and sees it progress.
@@ -269,12 +270,11 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
             page = context.new_page()
             page.goto(panel.url)
             run_name = page.get_by_label("Run name")
-            expect(run_name).to_have_value(re.compile(r"^run-"), timeout=60_000)  # the page's own fresh name first
             run_name.fill("browser-run")
             page.get_by_label("More settings (key=value, one per line)").fill(LONG_RUN)
             page.get_by_role("button", name="Launch").click()
             page.get_by_text("Launched browser-run").wait_for(timeout=120_000)
-            expect(run_name).to_have_value(re.compile(r"^run-"))  # a second Launch would not collide with the first
+            expect(run_name).to_have_value("")  # a second Launch takes a fresh name, never the first one's
             page.screenshot(path=ARTIFACTS / "panel-train.png", full_page=True)
             page.get_by_role("tab", name="Live").click()
             page.get_by_text("browser-run · running").wait_for(timeout=180_000)

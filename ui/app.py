@@ -40,7 +40,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                 launcher = gr.Dropdown([ONE_PROCESS, *workspace.accelerate_config_names()], value=ONE_PROCESS,
                                        label="Launch with", scale=1)
             with gr.Row():
-                run_name = gr.Textbox(label="Run name", value=workspace.free_run_name)  # a fresh one per page
+                run_name = gr.Textbox(label="Run name", placeholder="empty: a fresh run-DATE-TIME")
                 fields = {label: gr.Textbox(label=label) for label in FIELDS}
             extra = gr.Textbox(label="More settings (key=value, one per line)", lines=2,
                                placeholder="train.max_steps=200\ntrain.per_device_train_batch_size=4")
@@ -127,6 +127,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             return overrides
 
         def preview(recipe_name, launch_with, name, *values):
+            name = name.strip() or workspace.free_run_name()
             try:
                 command = workspace.command(recipe_name, overrides_of(*values), name, _accelerate(launch_with))
             except PanelError as error:
@@ -134,6 +135,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             return _shell_lines(["finetune", *command[3:]])
 
         def validate(recipe_name, launch_with, name, *values):
+            name = name.strip() or workspace.free_run_name()
             try:
                 ok, text = workspace.validate(recipe_name, overrides_of(*values), name)
             except PanelError as error:
@@ -143,6 +145,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             return text, f"⚠ {text.removeprefix('error: ')}", _field_error(text), gr.update(open=False)
 
         def launch(recipe_name, launch_with, name, *values):
+            name = name.strip() or workspace.free_run_name()  # typed names are never replaced under the user
             try:
                 overrides = overrides_of(*values)
                 ok, text = workspace.validate(recipe_name, overrides, name)
@@ -156,7 +159,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                 return "", f"⚠ {error}", "", gr.update(), gr.update()
             note = f" (unloaded {unloaded} chat model{'s' if unloaded > 1 else ''} to free its memory)" if unloaded else ""
             return (text, f"✓ Launched **{name}**{note}: follow it in the Live tab.", "",
-                    gr.update(choices=_run_names(workspace), value=name), workspace.free_run_name())
+                    gr.update(choices=_run_names(workspace), value=name), "")  # the next Launch: a fresh name
 
         def plan_memory(recipe_name, launch_with, gpu_choice, name, *values):
             try:
