@@ -18,6 +18,9 @@ template variables (GPT-OSS's `reasoning_effort`) come from `template_kwargs`.
 
 from __future__ import annotations
 
+import bisect
+import re
+from dataclasses import dataclass
 from datetime import date
 from typing import Any
 
@@ -52,7 +55,10 @@ class Renderer:
         self.has_markers = template is not None and has_generation_markers(template)
         self.loss_on = loss_on
         self.train_thinking = train_thinking
-        self._special_ids = set(tokenizer.get_added_vocab().values())
+        added = tokenizer.get_added_vocab()
+        self._special_ids = set(added.values())
+        self._added_tokens = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) \
+            if added else None
         fixed = date.fromisoformat(template_date)
         self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
 
@@ -89,24 +95,29 @@ class Renderer:
             raise BadRow(f"the chat template cannot render it: {error}") from None
 
     def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
-        full = self._tokens(messages, tools, with_mask=self.has_markers and self.loss_on == "assistant")
-        ids = list(full["input_ids"])
         if self.loss_on == "all":
+            ids = list(self._tokens(messages, tools)["input_ids"])
             return ids, list(ids)
+        full = self._rendered(messages, tools)
+        ids = full.ids
+        if self.has_markers:
+            with_mask = self._tokens(messages, tools, with_mask=True)
+            if list(with_mask["input_ids"]) != ids:
+                raise BadRow("the chat template's generation markers change how the conversation is tokenized")
+            marked = with_mask["assistant_masks"]
         labels = [IGNORE] * len(ids)
         for index, message in enumerate(messages):
             if message["role"] != "assistant" or message.get("train") is False:
                 continue
-            start = self._prefix_length(ids, messages[:index], tools, index, add_generation_prompt=True)
+            start = self._prefix_length(full, messages[:index], tools, index, add_generation_prompt=True)
             if self.has_markers:
-                marked = full["assistant_masks"]
                 if start >= len(ids) or not marked[start]:
                     raise BadRow(f"message {index + 1}: the template's generation block does not cover the answer")
                 end = start
                 while end < len(ids) and marked[end]:
                     end += 1
             else:
-                end = self._prefix_length(ids, messages[: index + 1], tools, index)
+                end = self._prefix_length(full, messages[: index + 1], tools, index)
             end = self._through_end_of_turn(ids, start, end)
             if message.get("thinking") and not self.train_thinking:
                 start = self._after_thinking(ids, messages, tools, index, start)
@@ -131,17 +142,43 @@ class Renderer:
             end -= 1
         return end
 
-    def _prefix_length(self, ids: list[int], messages: list[dict], tools: list | None, index: int,
+    def _rendered(self, messages: list[dict], tools: list | None) -> _Rendered:
+        text = self._text(messages, tools)
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return _Rendered(text, list(encoding["input_ids"]), [start for start, _ in encoding["offset_mapping"]])
+
+    def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, chat_template=self.template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self._template_kwargs,
+            )
+        except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
+            raise BadRow(f"the chat template cannot render it: {error}") from None
+
+    def _prefix_length(self, full: _Rendered, messages: list[dict], tools: list | None, index: int,
                        add_generation_prompt: bool = False) -> int:
-        prefix = self._tokens(messages, tools, add_generation_prompt=add_generation_prompt)["input_ids"]
-        if ids[: len(prefix)] != list(prefix):
+        """How many of the full conversation's tokens the rendering of `messages` is: exactly its tokens, which
+        must be the first ones of the full conversation's.
+
+        Tokenizers split text at added (special) tokens first and tokenize each piece on its own, so the prefix's
+        tokens are the full text's tokens up to the prefix's last added token, followed by the tokens of the rest
+        of the prefix: only that rest is tokenized here."""
+        text = self._text(messages, tools, add_generation_prompt)
+        last_added = None if self._added_tokens is None else \
+            next(reversed(list(self._added_tokens.finditer(text))), None)
+        cut = last_added.start() if last_added else 0
+        first = bisect.bisect_left(full.starts, cut)
+        tail = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+        if not full.text.startswith(text) or (cut and (first == len(full.starts) or full.starts[first] != cut)) \
+                or full.ids[first:first + len(tail)] != list(tail):
             side = "before" if add_generation_prompt else "through"
             raise BadRow(
                 f"message {index + 1}: the chat template renders the conversation {side} this turn differently "
                 "from the full conversation, so its loss mask cannot be derived; use a template with "
                 "{% generation %} markers (model.chat_template)"
             )
-        return len(prefix)
+        return first + len(tail)
 
     def _encode_text(self, segments: list[dict]) -> tuple[list[int], list[int]]:
         """Raw text: the segments joined, then the end-of-sequence token, trained where their segment is."""
@@ -162,6 +199,14 @@ class Renderer:
             if segment["train"]:
                 labels[start:end] = ids[start:end]
         return ids, labels
+
+
+@dataclass
+class _Rendered:
+    """A conversation rendered as text and tokenized, with where each token starts in the text."""
+    text: str
+    ids: list[int]
+    starts: list[int]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
