@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import random
 import shutil
 import statistics
@@ -144,24 +145,31 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     datasets.disable_progress_bars()
     data = recipe.data
     bad: list[str] = []
-    train_examples, mixture = _mix([_examples([source], data, bad) for source in train_sources],
-                                   _as_list(data.train), recipe.train["seed"])
-    if eval_sources:
-        eval_examples = _examples(eval_sources, data, bad)
-    else:
-        train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _Spool(folder.parent) as spool:
+        train_examples, mixture = _mix([_examples([source], data, bad, spool) for source in train_sources],
+                                       _as_list(data.train), recipe.train["seed"])
+        if eval_sources:
+            eval_examples = _examples(eval_sources, data, bad, spool)
+        else:
+            train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
+        _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
 
-    if template is None and any("messages" in example for _, example in train_examples + eval_examples):
+
+def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture,
+                bad) -> None:
+    data = recipe.data
+    if template is None and spool.conversations:
         raise UserError(f"model.name_or_path: the tokenizer of {recipe.model.name_or_path} has no chat template, "
                         "and the data holds conversations; set model.chat_template to a .jinja template file")
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
     max_length = recipe.train["max_length"]
     too_long: list[str] = []
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
     try:
-        report = _encode_splits(staging, recipe, tokenizer, renderer, train_examples, eval_examples, bad, too_long)
+        report = _encode_splits(staging, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad,
+                                too_long)
         if len(mixture) > 1:
             report["sources"] = mixture
     except BaseException:
@@ -174,16 +182,17 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
         shutil.rmtree(staging)
 
 
-def _encode_splits(staging: Path, recipe, tokenizer, renderer, train_examples, eval_examples, bad, too_long) -> dict:
+def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad,
+                   too_long) -> dict:
     """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
     import datasets
 
     data, max_length = recipe.data, recipe.train["max_length"]
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
-    train_table, train_stats = _encode(train_examples, renderer, max_length, bad, too_long, staging / "train.arrow",
-                                       processes, "train")
-    eval_table, eval_stats = _encode(eval_examples, renderer, max_length, bad, too_long, staging / "eval.arrow",
-                                     processes, "eval")
+    train_table, train_stats = _encode(train_examples, spool, renderer, max_length, bad, too_long,
+                                       staging / "train.arrow", processes, "train")
+    eval_table, eval_stats = _encode(eval_examples, spool, renderer, max_length, bad, too_long,
+                                     staging / "eval.arrow", processes, "eval")
     if bad and data.bad_rows == "fail":
         raise _bad_rows_error(bad)
     if too_long and data.too_long == "fail":
@@ -239,8 +248,35 @@ def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
     return UserError(f"{heading}:\n{shown}{more}\n{advice}")
 
 
-def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
-    """(where, normalized example) for every usable row; the others go to `bad` as 'where: reason'."""
+class _Spool:
+    """Normalized examples kept on disk while the data is prepared, read back one by one: memory holds only
+    where each one is, so it does not grow with the dataset."""
+
+    def __init__(self, folder: Path):
+        self.file = tempfile.TemporaryFile(dir=folder, prefix=".examples-")
+        self.offsets: list[int] = []
+        self.conversations = False  # whether any example needs a chat template
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def add(self, example: dict) -> int:
+        self.file.seek(0, os.SEEK_END)
+        self.offsets.append(self.file.tell())
+        pickle.dump(example, self.file)
+        self.conversations = self.conversations or "messages" in example
+        return len(self.offsets) - 1
+
+    def get(self, index: int) -> dict:
+        self.file.seek(self.offsets[index])
+        return pickle.load(self.file)
+
+
+def _examples(source_list, data, bad: list[str], spool: _Spool) -> list[tuple[str, int]]:
+    """(where, index in `spool`) of every usable row, normalized; the others go to `bad` as 'where: reason'."""
     examples = []
     for source in source_list:
         found: dict[str, str] = {}  # file -> the format of its rows
@@ -259,7 +295,7 @@ def _examples(source_list, data, bad: list[str]) -> list[tuple[str, dict]]:
                     _check_one_format(source, found)
                 try:
                     example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
-                    examples.append((where, example))
+                    examples.append((where, spool.add(example)))
                 except BadRow as reason:
                     bad.append(f"{where}: {reason}")
     return examples
@@ -286,8 +322,8 @@ def _check_one_format(source, found: dict[str, str]) -> None:
         )
 
 
-def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str], path: Path,
-            processes: int, split: str):
+def _encode(examples, spool: _Spool, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str],
+            path: Path, processes: int, split: str):
     """Encode `examples` into an Arrow file at `path`, row by row (nothing held but the lengths), on `processes`
     worker processes for large splits, saying how far it is; (the rows as a Dataset, their statistics)."""
     import datasets
@@ -298,7 +334,7 @@ def _encode(examples, renderer: Renderer, max_length: int, bad: list[str], too_l
     lengths, truncated, untrainable, tokens, trained = [], 0, 0, 0, 0
     progress = _Progress(split, len(examples))
     with ArrowWriter(features=features, path=str(path)) as writer:
-        for (where, _), encoded in zip(examples, _encoded(examples, renderer, processes)):
+        for (where, _), encoded in zip(examples, _encoded(examples, spool, renderer, processes)):
             progress.advance()
             if isinstance(encoded, BadRow):
                 bad.append(f"{where}: {encoded}")
@@ -338,16 +374,19 @@ def _encode_one(example: dict):
         return reason
 
 
-def _encoded(examples, renderer: Renderer, processes: int):
-    """Each example's (ids, labels), or its BadRow, in order."""
+def _encoded(examples, spool: _Spool, renderer: Renderer, processes: int):
+    """Each example's (ids, labels), or its BadRow, in order; the workers get a window of examples at a time."""
     global _worker_renderer
     _worker_renderer = renderer
     if processes <= 1 or len(examples) < PARALLEL_FROM:
-        yield from (_encode_one(example) for _, example in examples)
+        yield from (_encode_one(spool.get(index)) for _, index in examples)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
+    window = 256 * processes
     with multiprocessing.get_context("fork").Pool(processes) as pool:
-        yield from pool.imap(_encode_one, (example for _, example in examples), chunksize=32)
+        for start in range(0, len(examples), window):
+            batch = [spool.get(index) for _, index in examples[start:start + window]]
+            yield from pool.imap(_encode_one, batch, chunksize=16)
 
 
 class _Progress:
