@@ -31,7 +31,7 @@ GPUS = {
 }
 CUDA_CONTEXT = 600 * MIB  # the CUDA context and kernels of torch, cuBLAS and NCCL: outside torch's own counters
 ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out (fragmentation), of the tensors
-CPU_PROCESS = 720 * MIB  # Python with torch, transformers, TRL, PEFT, the tokenizer and the prepared data
+CPU_PROCESS = 850 * MIB  # Python with torch, transformers, TRL, PEFT, a 128k tokenizer and the prepared data
 TIGHT = 0.9  # above this share of the device a plan is "tight": fragmentation or a longer batch can tip it over
 
 # Optimizer state bytes per trainable parameter (fp32 master parameters).
@@ -271,8 +271,10 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int 
     if launch.sharded:
         add(Line("gathered layer", shape.largest_layer * compute * 2,
                  note="one layer's full weights while it runs, and the next one prefetched"))
-    materialized = attention == "eager" or (attention == "sdpa" and not device.cuda)
-    per_token, working = _activations(shape, recipe, compute, attention, materialized, checkpointing, length)
+    # Eager attention keeps its probabilities for the backward; the CPU's sdpa kernel (masked, packed rows) keeps
+    # only its output, but its backward holds the probabilities of one layer at a time.
+    per_token, working = _activations(shape, recipe, compute, attention, checkpointing, length,
+                                      kept=attention == "eager", transient=attention == "sdpa" and not device.cuda)
     note = ("layer inputs kept (gradient checkpointing), one layer recomputed" if checkpointing else
             "every layer's activations kept (no gradient checkpointing)") + f", {attention} attention"
     if train.get("activation_offloading"):
@@ -322,19 +324,21 @@ def _weights(shape: Shape, recipe, compute: int, shard: int) -> Line:
     return Line("weights", shape.parameters * dtype / shard, note=note)
 
 
-def _activations(shape: Shape, recipe, b: int, attention: str, materialized: bool, checkpointing: bool,
-                 length: int) -> tuple[float, float]:
+def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bool, length: int, kept: bool,
+                 transient: bool) -> tuple[float, float]:
     """(bytes per token kept for the backward, bytes per token of the backward's working set on top).
 
-    `materialized`: the attention probabilities exist in full (eager attention, or sdpa's math kernel, which the
-    CPU takes for masked rows), one float32 (Llama) or compute-dtype (GPT-OSS) value per head and key position."""
+    The attention probabilities, one float32 (Llama's eager softmax) or compute-dtype value per head and key
+    position, are `kept` for the backward, or exist only in one layer's backward (`transient`)."""
     h, q, kv, i = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate
     norms = 2 * (4 * h + b * h)  # RMSNorm keeps its float32 input and hands the normalized value to the projections
     if attention == "flash_attention_2":
         attend = b * (3 * q + 2 * kv) + 4 * shape.heads  # q, k, v, output, o_proj input; log-sum-exp
     else:  # sdpa with a mask (packed rows) and eager repeat k and v over the query heads
         attend = b * 5 * q + 4 * shape.heads
-    probabilities = shape.heads * length * (b if shape.model_type == "gpt_oss" else 4) if materialized else 0
+    probabilities = shape.heads * length * (b if shape.model_type == "gpt_oss" or transient else 4)
+    in_backward = probabilities if transient else 0
+    probabilities = probabilities if kept else 0
     if shape.experts_per_token:
         mlp = shape.experts_per_token * (7 * i * b + h * b)  # per chosen expert: gate_up, gate, sigmoid, glu, output
     elif recipe.train.get("use_liger_kernel"):
@@ -355,7 +359,7 @@ def _activations(shape: Shape, recipe, b: int, attention: str, materialized: boo
     else:
         kept = shape.layers * layer
     # the backward of one layer: the gradients of its widest activations, and of the probabilities and scores
-    working = 2 * max(i * (shape.experts_per_token or 1), q) * b + 2 * probabilities
+    working = 2 * max(i * (shape.experts_per_token or 1), q) * b + 2 * (probabilities + in_backward)
     return kept + outside, working
 
 
