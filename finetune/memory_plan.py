@@ -283,8 +283,11 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int 
     add(Line("activations", 0, per_token * length, note=note))
     add(Line("backward working set", 0, working * length, note="the gradients of one layer's activations"))
     add(_loss(shape, train, compute, length))
-    if recipe.method == "qlora":
+    if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
+    elif recipe.method == "qlora":
+        add(Line("4-bit dequantization", shape.linear * compute / shard,
+                 note="bitsandbytes on the CPU keeps the dequantized weights"))
     if device.cuda:
         add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters"))
         tensors = plan_.tensors

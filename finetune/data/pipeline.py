@@ -333,7 +333,7 @@ def _encode(examples, spool: _Spool, renderer: Renderer, max_length: int, bad: l
                                   "labels": datasets.Sequence(datasets.Value("int64"))})
     lengths, truncated, untrainable, tokens, trained = [], 0, 0, 0, 0
     progress = _Progress(split, len(examples))
-    with ArrowWriter(features=features, path=str(path)) as writer:
+    with ArrowWriter(features=features, path=str(path), writer_batch_size=256) as writer:  # few rows in memory
         for (where, _), encoded in zip(examples, _encoded(examples, spool, renderer, processes)):
             progress.advance()
             if isinstance(encoded, BadRow):

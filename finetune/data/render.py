@@ -19,7 +19,6 @@ template variables (GPT-OSS's `reasoning_effort`) come from `template_kwargs`.
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass
 from datetime import date
 from typing import Any
@@ -55,10 +54,7 @@ class Renderer:
         self.has_markers = template is not None and has_generation_markers(template)
         self.loss_on = loss_on
         self.train_thinking = train_thinking
-        added = tokenizer.get_added_vocab()
-        self._special_ids = set(added.values())
-        self._added_tokens = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) \
-            if added else None
+        self._special_ids = set(tokenizer.get_added_vocab().values())
         fixed = date.fromisoformat(template_date)
         self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
 
@@ -145,7 +141,10 @@ class Renderer:
     def _rendered(self, messages: list[dict], tools: list | None) -> _Rendered:
         text = self._text(messages, tools)
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return _Rendered(text, list(encoding["input_ids"]), [start for start, _ in encoding["offset_mapping"]])
+        ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+        added = [(start, end) for token, (start, end) in zip(ids, offsets) if token in self._special_ids]
+        return _Rendered(text, ids, [start for start, _ in offsets], [start for start, _ in added],
+                         [end for _, end in added])
 
     def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
         try:
@@ -165,9 +164,8 @@ class Renderer:
         tokens are the full text's tokens up to the prefix's last added token, followed by the tokens of the rest
         of the prefix: only that rest is tokenized here."""
         text = self._text(messages, tools, add_generation_prompt)
-        last_added = None if self._added_tokens is None else \
-            next(reversed(list(self._added_tokens.finditer(text))), None)
-        cut = last_added.start() if last_added else 0
+        last_added = bisect.bisect_right(full.added_ends, len(text)) - 1  # the prefix's last added token
+        cut = full.added_starts[last_added] if last_added >= 0 else 0
         first = bisect.bisect_left(full.starts, cut)
         tail = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
         if not full.text.startswith(text) or (cut and (first == len(full.starts) or full.starts[first] != cut)) \
@@ -207,6 +205,8 @@ class _Rendered:
     text: str
     ids: list[int]
     starts: list[int]
+    added_starts: list[int]  # where the added (special) tokens among them start and end
+    added_ends: list[int]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
