@@ -16,7 +16,7 @@ once with TRL's SFTTrainer + PEFT with their defaults (same LoRA, the same conve
 longer than 4096 tokens, fp32 and gradient checkpointing for both), and prints both peaks.
 
     python benchmarks/memory.py [--sizes small,medium,1b] [--lengths 512,2048] [--methods lora-fp32,lora-bf16,qlora]
-    python benchmarks/memory.py --compare-trl
+    python benchmarks/memory.py --compare-trl [--sizes 1b]
 
 Needs ../shared/assets (the Llama 3.2 tokenizer and GSM8K), or $FINETUNE_SHARED_ASSETS.
 """
@@ -128,7 +128,7 @@ def compare_trl_one(model: str, data: str, length: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium,1b")
+    parser.add_argument("--sizes", default="small,medium,1b", help="with --compare-trl: the last one (1b)")
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--checkpointing", default="on,off")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="finetune-memory-") as tmp:
         out = Path(tmp)
         if args.compare_trl:
-            results = compare_trl(out, write_data(out, 8, turns=20))
+            results = compare_trl(out, write_data(out, 8, turns=20), args.sizes.split(",")[-1])
         else:
             results = sweep(out, write_data(out, 400), args)
     if args.json:
@@ -181,11 +181,11 @@ def sweep(out: Path, data: Path, args) -> list[dict]:
     return results
 
 
-def compare_trl(out: Path, data: Path) -> list[dict]:
-    """Our peak against TRL + PEFT's at max_length 4096 (1B shape, LoRA, one row per step)."""
-    model = out / "1b"
-    make_model(model, "1b")
-    recipe = out / "1b.yaml"
+def compare_trl(out: Path, data: Path, size: str) -> list[dict]:
+    """Our peak against TRL + PEFT's at max_length 4096 (LoRA, one row per step)."""
+    model = out / size
+    make_model(model, size)
+    recipe = out / f"{size}.yaml"
     recipe.write_text(f"model: {{name_or_path: {model}}}\ndata: {{train: {data}}}\n", encoding="utf-8")
     ours = run_case(recipe, case_overrides("lora-fp32", True, 4096))
     theirs = subprocess.run([sys.executable, __file__, "--trl-one", str(model), str(data), "4096"],
@@ -193,7 +193,7 @@ def compare_trl(out: Path, data: Path) -> list[dict]:
     if theirs.returncode != 0:
         raise SystemExit(f"TRL case failed\n{theirs.stderr[-3000:]}")
     trl = json.loads(theirs.stdout.strip().splitlines()[-1])
-    print(f"peak at max_length 4096, Llama-3.2-1B shape, LoRA r 16: finetune {ours['measured'] / 2**30:.2f} GiB, "
+    print(f"peak at max_length 4096, {size} shape, LoRA r 16: finetune {ours['measured'] / 2**30:.2f} GiB, "
           f"TRL + PEFT defaults {trl['measured'] / 2**30:.2f} GiB", flush=True)
     return [{"way": "finetune", **ours}, {"way": "TRL + PEFT", **trl, "within": ours["measured"] <= trl["measured"]}]
 
