@@ -364,7 +364,12 @@ def _encode(examples, spool: _Spool, renderer: Renderer, max_length: int, bad: l
     }
 
 
-_worker_renderer: Renderer | None = None  # a worker process's renderer, inherited from the parent at fork
+_worker_renderer: Renderer | None = None  # a worker process's renderer
+
+
+def _start_worker(renderer: Renderer) -> None:
+    global _worker_renderer
+    _worker_renderer = renderer
 
 
 def _encode_one(example: dict):
@@ -383,7 +388,8 @@ def _encoded(examples, spool: _Spool, renderer: Renderer, processes: int):
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
     window = 256 * processes
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
+    # spawned, not forked: a fork of this process (torch's and the tokenizer's threads) can inherit a held lock
+    with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (renderer,)) as pool:
         for start in range(0, len(examples), window):
             batch = [spool.get(index) for _, index in examples[start:start + window]]
             yield from pool.imap(_encode_one, batch, chunksize=16)
