@@ -389,10 +389,17 @@ def _encoded(examples, spool: _Spool, renderer: Renderer, processes: int):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
     window = 256 * processes
     # spawned, not forked: a fork of this process (torch's and the tokenizer's threads) can inherit a held lock
-    with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (renderer,)) as pool:
-        for start in range(0, len(examples), window):
-            batch = [spool.get(index) for _, index in examples[start:start + window]]
-            yield from pool.imap(_encode_one, batch, chunksize=16)
+    try:
+        with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (renderer,)) as pool:
+            for start in range(0, len(examples), window):
+                batch = [spool.get(index) for _, index in examples[start:start + window]]
+                yield from pool.imap(_encode_one, batch, chunksize=16)
+    finally:
+        # Spawning started multiprocessing's resource tracker; end and reap it now, or it outlives this process
+        # in its process group (a zombie where nothing reaps orphans), and a stopped run would seem to linger.
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
 
 
 class _Progress:
