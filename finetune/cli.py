@@ -350,7 +350,8 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     """Everything `train` checks before loading weights: recipe, backend, launch, output_dir, resume point,
     tokenizer, data. Returns the recipe and the data report."""
     from finetune import backends, resuming
-    from finetune.config import check_device_options, load_recipe
+    from finetune.config import load_recipe
+    from finetune.train_section import check_device_options
     from finetune.data.pipeline import prepare
     from finetune.model import load_tokenizer, model_config
     from finetune.run_folder import check_free, check_writable, read_rows
@@ -359,7 +360,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     backend, why = backends.resolve(recipe.model.backend)
     print(why, flush=True)
     launch = _launch_settings(accelerate_config)
-    check_device_options(recipe, cuda=not launch.get("use_cpu", False) and _has_cuda())
+    check_device_options(recipe.train, cuda=not launch.get("use_cpu", False) and _has_cuda())
     recipe.batch_split(launch.get("num_processes", 1), 1 if recipe.auto_micro_batch else None)
     backends.check_launch(backend, launch.get("distributed_type", "NO"))
     if resume:

@@ -4,7 +4,8 @@
     method:   lora | qlora | full
     lora:     the adapter (LoraSection), for lora and qlora
     data:     what to train on and how to render it (DataSection)
-    train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...), over the defaults below
+    train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...) over the toolkit's defaults,
+              checked in train_section.py
     output_dir: the run folder
 
 Everything here is checked before a model or dataset loads: unknown keys (with the closest valid key), types,
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from finetune import train_section
 from finetune.errors import UserError
 from finetune.resources import find_recipe
 from finetune.typecheck import coerce
@@ -121,43 +123,6 @@ class DataSection:
     )
 
 
-# Where the toolkit's defaults differ from SFTConfig's. The learning rate depends on the method (see `train_defaults`).
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "max_length": 2048,
-    "packing": True,
-    "logging_steps": 10,
-    "report_to": "none",
-    "ddp_find_unused_parameters": False,
-    "save_total_limit": 3,
-    "seed": 42,  # SFTConfig's own default, stated because the eval split and the data cache use it too
-}
-LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
-
-# train.* keys of the toolkit's own, beside SFTConfig's fields. With global_batch_size the accumulation steps follow
-# from the process count (the same global batch on any number of processes); per_device_train_batch_size may then
-# be `auto`: the largest micro-batch that the memory plan fits on the device.
-GLOBAL_BATCH = "global_batch_size"
-AUTO = "auto"
-
-# SFTConfig fields that this toolkit decides elsewhere: under train.* they would be silently ignored, so they are refused.
-NOT_USED = {
-    "output_dir": "set the top-level output_dir",
-    "assistant_only_loss": "set data.loss_on (assistant | all)",
-    "completion_only_loss": "set data.loss_on (assistant | all)",
-    "dataset_text_field": "map your field with data.columns, e.g. {text: my_field}",
-    "chat_template_path": "set model.chat_template",
-    "model_init_kwargs": "use the model.* keys",
-    "trust_remote_code": "set model.trust_remote_code",
-    "dataset_kwargs": "use the data.* keys",
-    "eos_token": "examples end with the tokenizer's own end-of-turn token",
-    "padding_free": "packed rows are batched with next to no padding (FlashAttention: none); set train.packing",
-    "packing_strategy": "packing keeps whole examples (best-fit decreasing); train.packing turns it on or off",
-    "resume_from_checkpoint": "continue a run with `finetune train RECIPE --resume [CHECKPOINT]`",
-    "logging_nan_inf_filter": "a non-finite loss stops the run, naming the step",
-    "ignore_data_skip": "a resumed run always continues the data order where it stopped",
-}
-
-
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
@@ -189,23 +154,23 @@ class Recipe:
         micro-batch and accumulation steps from `batch_split`)."""
         from trl import SFTConfig
 
-        return SFTConfig(output_dir=self.output_dir, **{**_sft_values(self.train), **runtime})
+        return SFTConfig(output_dir=self.output_dir, **{**train_section.sft_values(self.train), **runtime})
 
     @property
     def auto_micro_batch(self) -> bool:
-        return self.train.get("per_device_train_batch_size") == AUTO
+        return self.train.get("per_device_train_batch_size") == train_section.AUTO
 
     def batch_split(self, processes: int, micro_batch: int | None = None) -> tuple[int, int]:
         """(per-device micro-batch, accumulation steps) on `processes`. With train.global_batch_size the global
         batch is fixed and the accumulation follows; `micro_batch` is the one chosen for `auto`."""
         micro = micro_batch or self.train_setting("per_device_train_batch_size")
-        if GLOBAL_BATCH not in self.train:
+        if train_section.GLOBAL_BATCH not in self.train:
             return micro, self.train_setting("gradient_accumulation_steps")
-        total = self.train[GLOBAL_BATCH]
+        total = self.train[train_section.GLOBAL_BATCH]
         if total % (micro * processes):
             raise UserError(
-                f"train.{GLOBAL_BATCH} {total} is not a whole number of micro-batches of {micro} rows on {processes} "
-                f"process{'es' if processes > 1 else ''}; choose a global batch that is a multiple of "
+                f"train.global_batch_size {total} is not a whole number of micro-batches of {micro} rows on "
+                f"{processes} process{'es' if processes > 1 else ''}; choose a global batch that is a multiple of "
                 f"{micro * processes}, or another train.per_device_train_batch_size")
         return micro, total // (micro * processes)
 
@@ -284,7 +249,9 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
     recipe = Recipe(**values)
     _check_required(recipe, where)
     _check_contradictions(recipe, raw, origin)
-    recipe.train = _resolve_train(recipe, origin, for_training)
+    has_eval = bool(recipe.data.eval or recipe.data.eval_fraction)
+    recipe.train = train_section.resolve(recipe.train, recipe.method, has_eval, recipe.output_dir, origin, _suggest,
+                                         for_training)
     return recipe
 
 
@@ -307,7 +274,7 @@ def _all_keys() -> tuple[str, ...]:
     keys = [f.name for f in dataclasses.fields(Recipe)]
     for name, cls in SECTIONS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
-    keys += [f"train.{name}" for name in [*_sft_fields(), GLOBAL_BATCH]]
+    keys += [f"train.{name}" for name in [*train_section.sft_fields(), train_section.GLOBAL_BATCH]]
     return tuple(keys)
 
 
@@ -326,14 +293,6 @@ def _suggest(dotted: str) -> str:
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-@functools.cache
-def _sft_fields() -> dict[str, Any]:
-    from trl import SFTConfig
-
-    hints = typing.get_type_hints(SFTConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(SFTConfig) if f.init}
 
 
 def _check_required(recipe: Recipe, where: str) -> None:
@@ -398,142 +357,3 @@ def _check_mixture_entry(entry, key: str, where: str) -> None:
                             f"got {value!r}")
 
 
-def _resolve_train(recipe: Recipe, origin, for_training: bool) -> dict[str, Any]:
-    """train.* over the toolkit defaults, each key checked against SFTConfig, then SFTConfig's own checks."""
-    fields = _sft_fields()
-    train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[recipe.method]}
-    for key, value in recipe.train.items():
-        where = origin(f"train.{key}")
-        if key == GLOBAL_BATCH or (key == "per_device_train_batch_size" and value == AUTO):
-            train[key] = value if value == AUTO else coerce(value, int, f"train.{key}", where)
-            continue
-        if key in NOT_USED:
-            raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
-        if key not in fields:
-            raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig){_suggest('train.' + key)}")
-        train[key] = coerce(value, fields[key], f"train.{key}", where)
-    if for_training:
-        _check_report_to(train.get("report_to"), origin("train.report_to"))
-    _check_numbers(train, origin)
-    _check_batch(train, origin)
-    _check_memory_options(train, origin)
-    if train.get("bf16") and train.get("fp16"):
-        raise UserError(f"{origin('train.fp16')}: train.bf16 and train.fp16 both ask for mixed precision; keep one")
-    has_eval = recipe.data.eval or recipe.data.eval_fraction
-    for key in ("eval_strategy", "eval_on_start", "load_best_model_at_end"):
-        if train.get(key) not in (None, False, "no") and not has_eval:
-            raise UserError(
-                f"{origin('train.' + key)}: train.{key} needs eval data; set data.eval or data.eval_fraction"
-            )
-    try:
-        from trl import SFTConfig
-
-        SFTConfig(output_dir=recipe.output_dir, **{**_sft_values(train), "use_cpu": True})  # its checks, no devices
-    except ValueError as error:
-        raise UserError(f"{origin('train')}: {error}") from None
-    return train
-
-
-def _sft_values(train: dict[str, Any]) -> dict[str, Any]:
-    """train.* without the toolkit's own keys (their values reach SFTConfig through `Recipe.batch_split`)."""
-    values = {key: value for key, value in train.items() if key != GLOBAL_BATCH}
-    if values.get("per_device_train_batch_size") == AUTO:
-        values["per_device_train_batch_size"] = 1
-    return values
-
-
-def _check_batch(train: dict[str, Any], origin) -> None:
-    if train.get("per_device_train_batch_size") == AUTO and GLOBAL_BATCH not in train:
-        raise UserError(f"{origin('train.per_device_train_batch_size')}: train.per_device_train_batch_size auto "
-                        f"needs the global batch it splits: set train.{GLOBAL_BATCH} (rows per optimizer step, all "
-                        "processes together)")
-    if GLOBAL_BATCH in train:
-        if "gradient_accumulation_steps" in train:
-            raise UserError(f"{origin('train.gradient_accumulation_steps')}: train.gradient_accumulation_steps and "
-                            f"train.{GLOBAL_BATCH} both set the global batch; keep {GLOBAL_BATCH} (the accumulation "
-                            "steps follow from it and the process count)")
-        if not 0 < train[GLOBAL_BATCH] <= LARGEST_COUNT:
-            raise UserError(f"{origin('train.' + GLOBAL_BATCH)}: train.{GLOBAL_BATCH} must be a positive whole number")
-
-
-def _check_memory_options(train: dict[str, Any], origin) -> None:
-    """Memory options that do not work together."""
-    if train.get("use_liger_kernel"):
-        if train.get("loss_type") == "chunked_nll":
-            raise UserError(f"{origin('train.loss_type')}: train.use_liger_kernel computes the loss with Liger's "
-                            "fused linear cross-entropy, which replaces TRL's chunked loss; leave train.loss_type "
-                            "unset (or nll) with Liger, or turn Liger off to keep the chunked loss")
-        if train.get("activation_offloading"):
-            raise UserError(f"{origin('train.activation_offloading')}: train.activation_offloading does not work "
-                            "with train.use_liger_kernel (Liger's fused kernels keep activations that the offload "
-                            "hooks do not see); choose one")
-
-
-GPU_ONLY = {
-    "use_liger_kernel": "Liger's kernels are written in Triton, for GPUs",
-    "activation_offloading": "it moves activations from the GPU to CPU memory",
-}
-
-
-def check_device_options(recipe: Recipe, cuda: bool) -> None:
-    """Options that need a GPU (or a package only GPU machines have), checked on the machine that trains."""
-    train = recipe.train
-    on_cpu = not cuda or train.get("use_cpu")
-    for key, why in GPU_ONLY.items():
-        if train.get(key) and on_cpu:
-            raise UserError(f"train.{key} needs a CUDA GPU ({why}) and this run trains on the CPU; remove it here")
-    if str(train.get("optim", "")).startswith("paged_") and on_cpu:
-        raise UserError(f"train.optim {train['optim']}: paged optimizers page GPU memory out to the CPU, and this run "
-                        "trains on the CPU; use adamw_8bit (8-bit states) or adamw_torch here")
-    if train.get("use_liger_kernel") and not on_cpu:
-        import importlib.util
-
-        if importlib.util.find_spec("liger_kernel") is None:
-            raise UserError("train.use_liger_kernel needs Liger's kernels: pip install liger-kernel")
-
-
-LARGEST_COUNT = 2**31 - 1  # beyond it counts overflow, and no run is that long
-LONGEST_EPOCHS = 100_000
-
-
-def _check_numbers(train: dict[str, Any], origin) -> None:
-    """Sizes, counts and rates that SFTConfig accepts but that would fail (or run forever) once training starts."""
-    def refuse(key: str, allowed: str) -> None:
-        raise UserError(f"{origin('train.' + key)}: train.{key} must be {allowed}, got {train[key]!r}")
-
-    for key in ("max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
-                "gradient_accumulation_steps"):
-        if train.get(key) == AUTO:
-            continue
-        if train.get(key) is None and key == "max_length":
-            raise UserError(f"{origin('train.max_length')}: train.max_length must be a positive whole number")
-        if train.get(key) is not None and not 0 < train[key] <= LARGEST_COUNT:
-            refuse(key, f"a positive whole number (at most {LARGEST_COUNT:,})")
-    epochs = train.get("num_train_epochs")
-    if epochs is not None and not (math.isfinite(epochs) and 0 < epochs <= LONGEST_EPOCHS):
-        refuse("num_train_epochs", f"above 0 and at most {LONGEST_EPOCHS:,}")
-    steps = train.get("max_steps")
-    if steps is not None and steps != -1 and not 0 < steps <= LARGEST_COUNT:
-        refuse("max_steps", f"-1 (train for num_train_epochs) or a positive whole number up to {LARGEST_COUNT:,}")
-    rate = train.get("learning_rate")
-    if rate is not None and not (math.isfinite(rate) and rate > 0):
-        refuse("learning_rate", "a finite number above 0")
-
-
-def _check_report_to(report_to: Any, where: str) -> None:
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
-
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
-            raise UserError(
-                f"{where}: train.report_to {name!r} is not a logging back-end; choose from "
-                + ", ".join(["none", *INTEGRATION_TO_CALLBACK])
-            )
-        if name not in get_available_reporting_integrations():
-            raise UserError(f"{where}: train.report_to {name!r} is not installed; pip install {name}")

@@ -230,7 +230,7 @@ def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
     whole accumulation steps."""
     if not recipe.auto_micro_batch:
         return recipe.train_setting("per_device_train_batch_size")
-    from finetune.config import GLOBAL_BATCH
+    from finetune.train_section import GLOBAL_BATCH
 
     largest = plan(recipe, shape, device, launch, 1).largest_micro_batch
     per_process = recipe.train[GLOBAL_BATCH] // launch.processes

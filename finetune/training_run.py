@@ -18,7 +18,7 @@ import transformers
 from accelerate import PartialState
 
 from finetune import backends, memory_plan, resuming
-from finetune.config import check_device_options, load_recipe
+from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
 from finetune.errors import RunFailed, UserError
@@ -27,6 +27,7 @@ from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
+from finetune.train_section import check_device_options
 from finetune.signals import StopRequest
 
 logger = logging.getLogger("finetune")
@@ -61,7 +62,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
 
     backend, why = backends.resolve(recipe.model.backend)
     backends.check_launch(backend, state.distributed_type.value)
-    check_device_options(recipe, cuda=torch.cuda.is_available())
+    check_device_options(recipe.train, cuda=torch.cuda.is_available())
     micro, accumulation = _batch_split(recipe, state)
     precision = training_precision(recipe.train)
     # On each machine its main process builds builtins and prepares the data first; the others then read them.
