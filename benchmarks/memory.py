@@ -95,7 +95,7 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
     plan = memory_plan.plan(loaded, memory_plan.model_shape(model_config(loaded), loaded), here,
                             memory_plan.launch_of(None, 1), 1)
     measured = probe(recipe, overrides)
-    return {"planned": plan.tensors() if here.cuda else plan.total(), "measured": measured}
+    return {"planned": plan.measurable(), "measured": measured}
 
 
 def run_case(recipe: Path, overrides: list[str]) -> dict:

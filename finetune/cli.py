@@ -284,19 +284,17 @@ def estimate_command(args) -> int:
 
 def _probe(args, recipe, shape) -> None:
     """Two real training steps here, their measured peak beside this machine's plan."""
-    import torch
-
     from finetune import memory_plan
     from finetune.probe import PROBE_STEPS, probe
+    from finetune.train_section import trains_on_cpu
 
-    here = memory_plan.this_machine(cpu=recipe.train.get("use_cpu", not torch.cuda.is_available()))
+    here = memory_plan.this_machine(trains_on_cpu(recipe.train))
     alone = memory_plan.launch_of(None, 1)
     local = memory_plan.plan(recipe, shape, here, alone, memory_plan.micro_batch_of(recipe, here, alone, shape))
     print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
           f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
     measured = probe(args.recipe, args.overrides)
-    planned, what = (local.tensors(), "torch.cuda.max_memory_allocated") if here.cuda else \
-        (local.total(), "peak resident memory")
+    planned, what = local.measurable(), "torch.cuda.max_memory_allocated" if here.cuda else "peak resident memory"
     print(f"Probe: measured {memory_plan.format_bytes(measured)} ({what}), planned "
           f"{memory_plan.format_bytes(planned)}: the plan is {(planned - measured) / measured:+.1%} off")
 

@@ -189,6 +189,7 @@ class Line:
     fixed: float  # bytes whatever the micro-batch
     per_row: float = 0.0  # bytes per row of max_length tokens
     note: str = ""
+    allocated: bool = True  # torch's allocator counts it (not the CUDA context, the slack, or the CPU process)
 
     def at(self, rows: int) -> float:
         return self.fixed + self.per_row * rows
@@ -207,7 +208,11 @@ class Plan:
 
     def tensors(self, rows: int | None = None) -> float:
         """What torch's allocator counts (torch.cuda.max_memory_allocated): all but the context and the slack."""
-        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines if not _outside(line))
+        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines if line.allocated)
+
+    def measurable(self) -> float:
+        """What `--probe` measures of it: torch's allocated peak on a GPU, the whole process on the CPU."""
+        return self.tensors() if self.device.cuda else self.total()
 
     @property
     def largest_micro_batch(self) -> int:
@@ -232,26 +237,20 @@ def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
         return recipe.train_setting("per_device_train_batch_size")
     from finetune.train_section import GLOBAL_BATCH
 
-    largest = plan(recipe, shape, device, launch, 1).largest_micro_batch
+    single = plan(recipe, shape, device, launch, 1)
     per_process = recipe.train[GLOBAL_BATCH] // launch.processes
-    fitting = [rows for rows in range(1, min(largest, per_process) + 1) if per_process % rows == 0]
+    fitting = [rows for rows in range(1, min(single.largest_micro_batch, per_process) + 1) if per_process % rows == 0]
     if not fitting:
-        single = plan(recipe, shape, device, launch, 1)
         raise UserError(f"train.per_device_train_batch_size auto: not one row of {single.max_length} tokens fits "
-                        f"on {device.name} (the plan needs {format_bytes(single.total())} of {format_bytes(device.capacity)}); "
-                        + _advice(single))
+                        f"on {device.name} (the plan needs {format_bytes(single.total())} of "
+                        f"{format_bytes(device.capacity)}); " + _advice(single))
     return fitting[-1]
 
 
-def _outside(line: Line) -> bool:
-    return line.what in ("CUDA context", "allocator slack", "process")
-
-
-def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int | None = None) -> Plan:
-    """The per-device memory of training `recipe` (a model of `shape`) on `device` under `launch`."""
+def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Plan:
+    """The per-device memory of training `recipe` (a model of `shape`) on `device` under `launch`, with micro-batches
+    of `rows` rows of max_length tokens."""
     train = recipe.train
-    rows = micro_batch or (train["per_device_train_batch_size"] if isinstance(train.get("per_device_train_batch_size"), int)
-                           else 1)
     length = train["max_length"]
     compute = _compute_bytes(train, device)
     shard = launch.processes if launch.sharded else 1
@@ -265,7 +264,8 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int 
     trainable = shape.adapter if recipe.method != "full" else shape.parameters
     optimizer_bytes = OPTIMIZER_BYTES.get(optim, 8)  # others: counted as AdamW
     kind = "adapter" if recipe.method != "full" else "trained weights"
-    add(Line(f"{kind}: gradients, optimizer", trainable * (4 + optimizer_bytes + (4 if recipe.method != "full" else 0)) / shard,
+    parameter_bytes = 0 if recipe.method == "full" else 4  # a full fine-tune's parameters are the weights above
+    add(Line(f"{kind}: gradients, optimizer", trainable * (parameter_bytes + 4 + optimizer_bytes) / shard,
              note=f"{trainable / 1e6:,.1f}M fp32 parameters{' (in weights above)' if recipe.method == 'full' else ''}, "
                   f"their gradients, {optim} state ({optimizer_bytes:g} B each)"
                   + (": paged, can spill to CPU memory" if PAGED in optim else "")))
@@ -292,13 +292,14 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, micro_batch: int 
         add(Line("4-bit dequantization", shape.linear * compute / shard,
                  note="bitsandbytes on the CPU keeps the dequantized weights"))
     if device.cuda:
-        add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters"))
+        add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters",
+                 allocated=False))
         tensors = plan_.tensors
         add(Line("allocator slack", tensors(0) * ALLOCATOR_SLACK, (tensors(1) - tensors(0)) * ALLOCATOR_SLACK,
-                 note=f"cached blocks the allocator cannot reuse, about {ALLOCATOR_SLACK:.0%}"))
+                 note=f"cached blocks the allocator cannot reuse, about {ALLOCATOR_SLACK:.0%}", allocated=False))
     else:
         add(Line("process", CPU_PROCESS + CPU_PROCESS_PER_TOKEN * shape.vocab,
-                 note="Python, the libraries, the tokenizer and the data"))
+                 note="Python, the libraries, the tokenizer and the data", allocated=False))
     return plan_
 
 

@@ -138,6 +138,13 @@ GPU_ONLY = {
 }
 
 
+def trains_on_cpu(train: dict[str, Any]) -> bool:
+    """Whether a run with these settings trains on this machine's CPU (use_cpu, or no GPU)."""
+    import torch
+
+    return train.get("use_cpu", not torch.cuda.is_available())
+
+
 def check_device_options(train: dict[str, Any], cuda: bool) -> None:
     """Options that need a GPU (or a package only GPU machines have), checked on the machine that trains."""
     on_cpu = not cuda or train.get("use_cpu")

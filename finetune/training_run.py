@@ -27,7 +27,7 @@ from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
-from finetune.train_section import check_device_options
+from finetune.train_section import check_device_options, trains_on_cpu
 from finetune.signals import StopRequest
 
 logger = logging.getLogger("finetune")
@@ -224,8 +224,7 @@ def _batch_split(recipe, state) -> tuple[int, int]:
         return recipe.batch_split(state.num_processes)
     from accelerate.utils import DistributedType
 
-    cpu = recipe.train.get("use_cpu", not torch.cuda.is_available())
-    device = memory_plan.this_machine(cpu)
+    device = memory_plan.this_machine(trains_on_cpu(recipe.train))
     sharded = state.distributed_type == DistributedType.FSDP or (
         state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3)
     launch = memory_plan.Launch(state.num_processes, sharded, f"{state.num_processes} processes")
@@ -252,7 +251,7 @@ def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) 
         "packing": False,
         "padding_free": recipe.train["packing"] and flash,
         "max_length": None,
-        "use_cpu": recipe.train.get("use_cpu", not torch.cuda.is_available()),
+        "use_cpu": trains_on_cpu(recipe.train),
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
         "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run
     }

@@ -164,12 +164,9 @@ def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples
                         "and the data holds conversations; set model.chat_template to a .jinja template file")
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
-    max_length = recipe.train["max_length"]
-    too_long: list[str] = []
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
     try:
-        report = _encode_splits(staging, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad,
-                                too_long)
+        report = _encode_splits(staging, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad)
         if len(mixture) > 1:
             report["sources"] = mixture
     except BaseException:
@@ -182,12 +179,10 @@ def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples
         shutil.rmtree(staging)
 
 
-def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad,
-                   too_long) -> dict:
+def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad) -> dict:
     """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
-    import datasets
-
     data, max_length = recipe.data, recipe.train["max_length"]
+    too_long: list[str] = []
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
     train_table, train_stats = _encode(train_examples, spool, renderer, max_length, bad, too_long,
                                        staging / "train.arrow", processes, "train")

@@ -81,11 +81,17 @@ class Renderer:
 
     def _tokens(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False,
                 with_mask: bool = False) -> dict[str, list[int]]:
+        return self._apply_template(messages, tools, add_generation_prompt, tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=with_mask)
+
+    def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
+        return self._apply_template(messages, tools, add_generation_prompt, tokenize=False)
+
+    def _apply_template(self, messages: list[dict], tools: list | None, add_generation_prompt: bool, **options):
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, tokenize=True, return_dict=True,
-                add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
-                **self._template_kwargs,
+                messages, tools=tools, chat_template=self.template, add_generation_prompt=add_generation_prompt,
+                **options, **self._template_kwargs,
             )
         except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
             raise BadRow(f"the chat template cannot render it: {error}") from None
@@ -145,15 +151,6 @@ class Renderer:
         added = [(start, end) for token, (start, end) in zip(ids, offsets) if token in self._special_ids]
         return _Rendered(text, ids, [start for start, _ in offsets], [start for start, _ in added],
                          [end for _, end in added])
-
-    def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **self._template_kwargs,
-            )
-        except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
-            raise BadRow(f"the chat template cannot render it: {error}") from None
 
     def _prefix_length(self, full: _Rendered, messages: list[dict], tools: list | None, index: int,
                        add_generation_prompt: bool = False) -> int:
