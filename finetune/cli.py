@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch with `accelerate launch --config_file` on this config (a file, or a shipped name such as "
         "ddp_8gpu); the recipe and data are checked once before any process starts",
     )
+    ray = train.add_argument_group("Ray Train (--engine ray; needs the ray extra)")
+    ray.add_argument("--engine", choices=["accelerate", "ray"], default="accelerate",
+                     help="how the training processes start (default: accelerate)")
+    ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="Ray workers, one process each")
+    ray.add_argument("--gpus-per-worker", type=float, metavar="G",
+                     help="GPUs per worker (default: 1 where the cluster has GPUs, else 0)")
+    ray.add_argument("--address", metavar="ADDRESS",
+                     help="the Ray cluster: auto (the one this machine belongs to) or ray://HOST:PORT "
+                     "(default: start a local one)")
+    ray.add_argument("--storage", metavar="PATH",
+                     help="where Ray keeps the run's state and checkpoint records (default: ~/ray_results); "
+                     "on several machines, a path they all reach, like output_dir")
+    ray.add_argument("--max-failures", type=int, default=0, metavar="N",
+                     help="start the workers again this many times after a worker dies, resuming from the last "
+                     "checkpoint (default: 0)")
     recipe_command(
         "validate", validate_command,
         "check a recipe and its data without training",
@@ -130,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--private", action="store_true", help="create the Hub repository private")
     export.add_argument("--gguf", action="store_true", help="also write a GGUF of the merged model (llama.cpp)")
     export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
+    export.add_argument("--register", metavar="NAME",
+                        help="register the export as a new version of NAME in the MLflow model registry (the "
+                        "store the run was tracked in, else MLFLOW_TRACKING_URI, else mlflow.db in the workspace)")
     export.set_defaults(command=export_command)
     ui = commands.add_parser(
         "ui", help="start the web panel (launch runs, watch them, chat, export)",
@@ -217,10 +235,16 @@ def chat_command(args) -> int:
 
 
 def export_command(args) -> int:
+    from finetune import saved_model
     from finetune.export import export
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
+    run = saved_model.locate(args.path).run
+    if args.register:
+        from finetune.tracking import check_store
+
+        check_store(run or args.out, None, "--register")
     _quiet_loading()
     result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
                     push_to_hub=args.push_to_hub, private=args.private, gguf=args.gguf, license=args.license)
@@ -232,6 +256,11 @@ def export_command(args) -> int:
         print(f"gguf: {result.gguf}")
     if result.url:
         print(f"pushed: {result.url}")
+    if args.register:
+        from finetune.tracking import open_command, register
+
+        version, uri = register(result.folder, args.register, run)
+        print(f"registered: {args.register} version {version} in {uri} (open it with: {open_command(uri)})")
     return 0
 
 
@@ -311,6 +340,10 @@ def validate_command(args) -> int:
 
 def train_command(args) -> int:
     resume = _resume(args)
+    if args.engine == "ray":
+        return _train_with_ray(args, resume)
+    if args.num_workers != 1 or args.gpus_per_worker is not None or args.address or args.storage:
+        raise UserError("--num-workers, --gpus-per-worker, --address and --storage are for --engine ray")
     if not args.accelerate_config:
         from finetune import backends
 
@@ -323,12 +356,27 @@ def train_command(args) -> int:
     from finetune.resources import find_accelerate_config
 
     config = find_accelerate_config(args.accelerate_config)
-    recipe, _ = _check(args.recipe, args.overrides, resume, config)  # also leaves the data in the cache
+    recipe, _ = _check(args.recipe, args.overrides, resume, _launch_settings(config))  # leaves the data cached
     resume_arguments = [] if not resume else ["--resume"] if resume is True else ["--resume", resume]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "-m", "finetune.train", args.recipe, *args.overrides, *resume_arguments]
     print("launching:", " ".join(command[2:]), flush=True)
     return launcher.supervise(command, recipe.output_dir)
+
+
+def _train_with_ray(args, resume) -> int:
+    from finetune import ray_engine
+
+    if args.accelerate_config:
+        raise UserError("--engine ray starts its own workers: leave out --accelerate-config")
+    if args.num_workers < 1 or (args.gpus_per_worker or 0) < 0 or args.max_failures < -1:
+        raise UserError("--num-workers must be at least 1, --gpus-per-worker at least 0, --max-failures at least -1 "
+                        "(-1: no limit)")
+    gpus = args.gpus_per_worker
+    launch = {"num_processes": args.num_workers, "distributed_type": "MULTI_GPU", "use_cpu": gpus == 0}
+    recipe, _ = _check(args.recipe, args.overrides, resume, launch)
+    return ray_engine.launch(args.recipe, args.overrides, resume, recipe.output_dir, args.num_workers, gpus,
+                             args.address, args.storage and os.path.abspath(args.storage), args.max_failures)
 
 
 def _resume(args) -> bool | str:
@@ -343,7 +391,7 @@ def _resume(args) -> bool | str:
     return resume
 
 
-def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, accelerate_config=None,
+def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, launch: dict | None = None,
            validating: bool = False):
     """Everything `train` checks before loading weights: recipe, backend, launch, output_dir, resume point,
     tokenizer, data. Returns the recipe and the data report."""
@@ -357,7 +405,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, a
     recipe = load_recipe(recipe_path, overrides)
     backend, why = backends.resolve(recipe.model.backend)
     print(why, flush=True)
-    launch = _launch_settings(accelerate_config)
+    launch = launch or {}
     check_device_options(recipe.train, cuda=not launch.get("use_cpu", False) and _has_cuda())
     recipe.batch_split(launch.get("num_processes", 1), 1 if recipe.auto_micro_batch else None)
     backends.check_launch(backend, launch.get("distributed_type", "NO"))

@@ -6,6 +6,7 @@
     data:     what to train on and how to render it (DataSection)
     train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...) over the toolkit's defaults,
               checked in train_section.py
+    mlflow:   where and how runs that report to MLflow are tracked (MlflowSection)
     output_dir: the run folder
 
 Everything here is checked before a model or dataset loads: unknown keys (with the closest valid key), types,
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from finetune import train_section
+from finetune import tracking, train_section
 from finetune.errors import UserError
 from finetune.resources import find_recipe
 from finetune.typecheck import coerce
@@ -124,12 +125,26 @@ class DataSection:
 
 
 @dataclass
+class MlflowSection:
+    tracking_uri: str | None = field(
+        default=None, metadata={"help": "Where runs are tracked with train.report_to [mlflow]: a server "
+                                        "(http://HOST:5000) or a database URI; default: MLFLOW_TRACKING_URI, else "
+                                        "mlflow.db (SQLite) in the workspace, beside runs/."}
+    )
+    experiment: str | None = field(default=None, metadata={"help": "The MLflow experiment; default: the recipe's name."})
+    log_model: bool = field(
+        default=False, metadata={"help": "Also log the final model (the adapter) with its model card as artifacts."}
+    )
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     method: Method = field(default="lora", metadata={"help": "lora, qlora (LoRA on a 4-bit base) or full."})
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     train: dict[str, Any] = field(default_factory=dict, metadata={"help": "Fields of TRL's SFTConfig."})
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
     output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,7 +190,7 @@ class Recipe:
         return micro, total // (micro * processes)
 
 
-SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection}
+SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection, "mlflow": MlflowSection}
 
 
 def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -183,6 +198,8 @@ def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     path = find_recipe(recipe)
     raw = read_mapping(path, "recipe", "model:, data:, train:, ...")
     raw.setdefault("output_dir", str(Path("runs") / path.stem))
+    if isinstance(raw.setdefault("mlflow", {}), dict):
+        raw["mlflow"].setdefault("experiment", path.stem)
     origins: dict[str, str] = {}
     for override in overrides:
         key, value = _parse_override(override)
@@ -252,6 +269,8 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
     has_eval = bool(recipe.data.eval or recipe.data.eval_fraction)
     recipe.train = train_section.resolve(recipe.train, recipe.method, has_eval, recipe.output_dir, origin, _suggest,
                                          for_training)
+    if for_training and tracking.reports_to_mlflow(recipe.train):
+        tracking.check_store(recipe.output_dir, recipe.mlflow.tracking_uri, origin("train.report_to"))
     return recipe
 
 

@@ -70,7 +70,7 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
     staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
     try:
         result = _write_and_check(source, staging, merged, DTYPES[dtype], base_model)
-        _write_card(source, staging, out.name, merged, DTYPES[dtype], license)
+        write_card(source, staging, out.name, merged, DTYPES[dtype], license)
         if out.exists():
             out.rmdir()
         staging.rename(out)
@@ -229,8 +229,9 @@ def base_license(base: str) -> str | None:
         return None
 
 
-def _write_card(source: saved_model.SavedModel, staging: Path, title: str, merged: bool, dtype: str,
-                license: str | None) -> None:
+def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged: bool, dtype: str = "bfloat16",
+               license: str | None = None) -> None:
+    """README.md with the Hub's metadata: what was trained, on what, how, and how to use it."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from finetune import builtin

@@ -6,6 +6,8 @@
     enospc@save:N    writing checkpoint-N fails: no space left on device
     oom@forward:N    the forward pass of step N runs out of GPU memory
     slow-save:S      writing each checkpoint takes S seconds longer
+    die@step:N       the last process is killed (SIGKILL) right after optimizer step N, once: FINETUNE_FAULT_READY
+                     is written first, and a process started again after that goes on (a worker that Ray restarts)
 
 A paused process writes the file named by `FINETUNE_FAULT_READY` (so a test knows it is there) and sleeps until
 it is killed. Without the variable, nothing here does anything.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -47,6 +50,11 @@ def reached(point: str, step: int, path: Path | None = None) -> None:
             Path(os.environ["FINETUNE_FAULT_READY"]).write_text(f"{point}:{step}\n")
             while True:
                 time.sleep(60)
+        elif action == "die":
+            ready = Path(os.environ["FINETUNE_FAULT_READY"])
+            if os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1) and not ready.exists():
+                ready.write_text(f"{point}:{step} {os.getpid()}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
         elif action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         elif action == "oom":

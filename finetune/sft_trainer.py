@@ -216,15 +216,7 @@ class RunTrainer(SFTTrainer):
             "tokens": self.real_tokens,
             "trained_tokens": self.trained_tokens,
             "elapsed_s": round(self.elapsed(), 2),
-            "mlflow_run_id": _mlflow_run_id(),
         }
-
-
-def _mlflow_run_id() -> str | None:
-    """The MLflow run HF's MLflowCallback logs to, if any (a resumed run continues it)."""
-    mlflow = sys.modules.get("mlflow")
-    active = mlflow.active_run() if mlflow is not None else None
-    return active.info.run_id if active else None
 
 
 @contextlib.contextmanager
@@ -238,10 +230,11 @@ def _batches_not_skipped():
 
 
 class ProgressCallback(TrainerCallback):
-    """Writes a progress.jsonl row at every logging step and every evaluation (main process only)."""
+    """Writes a progress.jsonl row at every logging step and every evaluation (main process only), and hands each
+    row to `also` (the MLflow tracking), if given."""
 
-    def __init__(self, trainer_elapsed, run_folder: RunFolder, tokens: int = 0):
-        self.elapsed, self.run_folder = trainer_elapsed, run_folder
+    def __init__(self, trainer_elapsed, run_folder: RunFolder, tokens: int = 0, also=None):
+        self.elapsed, self.run_folder, self.also = trainer_elapsed, run_folder, also
         self.last_time, self.last_tokens = time.monotonic(), tokens
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -266,6 +259,8 @@ class ProgressCallback(TrainerCallback):
             return  # the end-of-training summary: the status line says it
         row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
         self.run_folder.append(row)
+        if self.also is not None:
+            self.also(row)
         logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
 
 

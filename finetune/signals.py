@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 logger = logging.getLogger("finetune")
 
@@ -29,6 +30,8 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # a Ray Train worker runs `run()` in a thread; Ray stops its workers itself
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self

@@ -27,6 +27,7 @@ from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
+from finetune.tracking import MlflowTracking
 from finetune.train_section import check_device_options, trains_on_cpu
 from finetune.signals import StopRequest
 
@@ -77,6 +78,8 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
     if point:
         args.eval_on_start = False  # the run evaluated at its start already
+    tracked = "mlflow" in args.report_to
+    args.report_to = [name for name in args.report_to if name != "mlflow"]  # ours logs it (tracking.py), not HF's
     transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
     model, peft_config = load_model(recipe, precision, backend, recipe.train.get("gradient_checkpointing", True))
     coefficient = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0)
@@ -97,12 +100,16 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
                 run_folder.save_recipe(recipe.to_yaml())
             cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
             logger.info("run folder %s", run_folder.path)
+        tracker = MlflowTracking(recipe, run_folder) if tracked and state.is_main_process else None
+        if tracker:
+            tracker.start()
         state.wait_for_everyone()  # the folder is there (and rewound) before any process writes into it
         return _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash,
-                    callbacks)
+                    callbacks, tracker)
 
 
-def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash, callbacks) -> str:
+def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash, callbacks,
+         tracker: MlflowTracking | None) -> str:
     trainer = None
     try:
         trainer = RunTrainer(
@@ -122,16 +129,17 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
             similar_lengths="train_sampling_strategy" not in recipe.train,
             resumed=point.state if point else None,
         )
-        trainer.add_callback(ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens))
+        trainer.add_callback(ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens,
+                                              also=tracker.log_row if tracker else None))
         _log_to_tensorboard(trainer, run_folder, point)
-        if point and point.state.get("mlflow_run_id"):
-            os.environ.setdefault("MLFLOW_RUN_ID", point.state["mlflow_run_id"])  # HF's MLflowCallback continues it
         trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
         status = "stopped" if trainer.stopped else "completed"
         final = _save_final(trainer, run_folder, tokenizer, recipe, state)
         if state.is_main_process:
             run_folder.finish(status, trainer.state.global_step, trainer.elapsed())
             logger.info("run %s at step %d", status, trainer.state.global_step)
+            if tracker:
+                tracker.finish(status)
             print(f"{status}: {final}", flush=True)
         return status
     except BaseException as error:
@@ -142,6 +150,8 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
             step = trainer.state.global_step if trainer is not None else (point.step if point else 0)
             run_folder.finish("failed", step, trainer.elapsed() if trainer else 0.0, message)
             logger.error("run failed at step %d: %s", step, message)
+            if tracker:
+                tracker.finish("failed")
         raise
 
 

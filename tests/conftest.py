@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,44 @@ def save_tiny_model(folder: Path, config) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
+
+
+# A few fast steps of the quickstart recipe, with LoRA, one loss per step and nothing random left unseeded.
+SHORT = [
+    "method=lora", "train.max_steps=6", "train.logging_steps=1", "train.eval_on_start=false",
+    "train.eval_strategy=no", "data.eval_fraction=0", "train.save_strategy=no", "train.learning_rate=1e-3",
+    "train.warmup_steps=0",
+]
+# One epoch of 37 rows in global batches of 4: 10 steps, the last batch completed from its own window.
+EQUAL_BATCH_EPOCH = [*SHORT, "train.max_steps=-1", "train.num_train_epochs=1", "train.packing=false",
+                     "train.max_length=64"]
+
+
+@dataclass
+class EqualBatchRuns:
+    data: Path
+    one: Path  # one process, micro-batch 4
+    two: Path  # two accelerate (gloo) processes, micro-batch 2
+    outputs: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def equal_batch_runs(tmp_path_factory) -> EqualBatchRuns:
+    """The same global batch trained by one process and by two DDP processes (the engines' reference)."""
+    from finetune.builtin import resolve_dataset
+
+    folder = tmp_path_factory.mktemp("equal-batch")
+    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
+    data = folder / "greetings-37.jsonl"
+    data.write_text("\n".join(rows[:37]) + "\n")
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
+         f"data.train={data}", f"output_dir={folder / 'two'}", "train.per_device_train_batch_size=2",
+         *EQUAL_BATCH_EPOCH], capture_output=True, text=True, timeout=600,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={folder / 'one'}",
+                  "train.per_device_train_batch_size=4", *EQUAL_BATCH_EPOCH)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return EqualBatchRuns(data, folder / "one", folder / "two", {"one": one.stdout, "two": two.stdout})

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-from tests.test_training import SHORT, adapter, losses
+from tests.conftest import REPO, SHORT, run_cli
+from tests.test_training import adapter, losses
 
 pytestmark = pytest.mark.integration
 CONFIG = REPO / "accelerate_configs" / "multi_node_ddp.yaml"

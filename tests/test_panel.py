@@ -123,6 +123,35 @@ def test_workspace_accepts_names_not_paths(tmp_path):
     assert "recipes/mine" in workspace.recipe_names() and "quickstart" in workspace.recipe_names()
     command = workspace.command("recipes/mine", ["lora.r=4"], "r1", "cpu_ddp_2proc")
     assert command[1:4] == ["-m", "finetune", "train"] and command[-2:] == ["--accelerate-config", "cpu_ddp_2proc"]
+    with pytest.raises(PanelError):
+        workspace.command("recipes/mine", [], "r1", "../cpu_ddp_2proc")
+
+
+def test_panel_launches_and_resumes_with_ray_and_shows_the_mlflow_run(tmp_path):
+    """Ray Train where the extra is installed: the launch command, and a resume launched the same way."""
+    pytest.importorskip("ray")
+    from ui.app import _status_card
+    from ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path)
+    assert "ray:2" in workspace.launchers()
+    command = workspace.command("quickstart", [], "r1", "ray:2")
+    assert command[-4:] == ["--engine", "ray", "--num-workers", "2"]
+    workspace.create()
+    (workspace.launches / "r1.json").write_text(json.dumps({"pid": 0, "command": command, "started": 0.0}))
+    folder = workspace.run_folder("r1")
+    (folder / "checkpoint-2").mkdir(parents=True)
+    (folder / "checkpoint-2" / "finetune_state.json").write_text("{}")
+    mlflow = {"run_id": "abc123", "experiment_id": "1", "tracking_uri": "sqlite:///x/mlflow.db",
+              "open": "mlflow ui --backend-store-uri sqlite:///x/mlflow.db"}
+    (folder / "progress.jsonl").write_text(json.dumps({"mlflow": mlflow}) + "\n" + json.dumps(
+        {"status": "failed", "step": 3, "elapsed_s": 1.0, "error": "a worker died"}) + "\n")
+    resumed = []
+    workspace.launch = lambda command, name, resuming=False: resumed.append(command)  # not started: its command
+    workspace.resume("r1")
+    assert resumed[0][-5:] == ["--resume", "--engine", "ray", "--num-workers", "2"]
+    card = _status_card(workspace.run("r1"))
+    assert "MLflow run `abc123` · open it with `mlflow ui --backend-store-uri sqlite:///x/mlflow.db`" in card
 
 
 def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):

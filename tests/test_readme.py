@@ -124,6 +124,33 @@ def test_cpu_ddp_and_resume_commands(tmp_path):
 
 
 @pytest.mark.integration
+def test_ray_command(tmp_path):
+    pytest.importorskip("ray.train", reason="the ray extra is not installed")
+    result = run(next(c for c in commands() if "--engine ray" in c), tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "ray-try" / "progress.jsonl").read_text().splitlines()]
+    assert rows[-1] == {**rows[-1], "status": "completed", "step": 20}
+    assert "completed: runs/ray-try/final" in result.stdout
+
+
+@pytest.mark.integration
+def test_mlflow_commands(tmp_path):
+    pytest.importorskip("sqlalchemy", reason="the mlflow extra is not installed")
+    from mlflow import MlflowClient
+
+    train, export = [c for c in commands() if "runs/tracked" in c]
+    result = run(train, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert f"open it with: mlflow ui --backend-store-uri {store}" in result.stdout
+    exported = run(export, tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"registered: greeter version 1 in {store}" in exported.stdout
+    [tracked] = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("quickstart").experiment_id])
+    assert len(MlflowClient(store).get_metric_history(tracked.info.run_id, "loss")) == 2  # logged every 10 steps
+
+
+@pytest.mark.integration
 def test_gpu_check_dry_run_command(tmp_path):
     """On a CPU the GPU check runs at tiny sizes, measures the transformers ways and says why Unsloth is skipped."""
     asset("tokenizers/llama-3.2-instruct")

@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.builtin import resolve_dataset
-from tests.conftest import REPO, run_cli
+from tests.conftest import SHORT, run_cli
 
 pytestmark = pytest.mark.integration
-
-# A few fast steps of the quickstart recipe, with LoRA, one loss per step and nothing random left unseeded.
-SHORT = [
-    "method=lora", "train.max_steps=6", "train.logging_steps=1", "train.eval_on_start=false",
-    "train.eval_strategy=no", "data.eval_fraction=0", "train.save_strategy=no", "train.learning_rate=1e-3",
-    "train.warmup_steps=0",
-]
 
 
 def progress(run: Path) -> list[dict]:
@@ -39,38 +31,24 @@ def adapter(run: Path) -> dict:
     return load_file(run / "final" / "adapter_model.safetensors")
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(equal_batch_runs):
     """Through an epoch's end: 37 examples make 5 global batches of 4, the last one completed from its own
     window, so both runs see the same rows at every step, and count the same tokens."""
-    # Data never prepared before, so we can see who prepares it: once, for both processes.
-    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
-    data = tmp_path / "greetings.jsonl"
-    data.write_text("\n".join(rows[:37]) + "\n")
-    epoch = [*SHORT, "train.max_steps=-1", "train.num_train_epochs=1", "train.packing=false", "train.max_length=64"]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"data.train={data}", f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=2", *epoch],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout.count("Prepared the data") == 1
-    one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={tmp_path / 'one'}",
-                  "train.per_device_train_batch_size=4", *epoch)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "Prepared the data" not in one.stdout  # same data, tokenizer and settings: from the cache
-
-    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
+    # The data was never prepared before, so we can see who prepares it: once, for both processes.
+    assert equal_batch_runs.outputs["two"].count("Prepared the data") == 1
+    assert "Prepared the data" not in equal_batch_runs.outputs["one"]  # same data and settings: from the cache
+    one, two = equal_batch_runs.one, equal_batch_runs.two
+    single, ddp = losses(one), losses(two)
     assert len(single) == len(ddp) == 10
     assert max(abs(a - b) / abs(a) for a, b in zip(single, ddp)) <= 1e-4
     assert single[-1] < single[0]  # and it trained
-    weights_one, weights_two = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    weights_one, weights_two = adapter(one), adapter(two)
     assert weights_one.keys() == weights_two.keys()
     assert max((weights_one[k] - weights_two[k]).abs().max().item() for k in weights_one) <= 1e-5
-    assert progress(tmp_path / "two")[-1]["status"] == "completed"
+    assert progress(two)[-1]["status"] == "completed"
     # Only the main process writes: one progress row per step, not two. Every process's tokens are counted.
-    assert [row["step"] for row in progress(tmp_path / "two") if "loss" in row] == list(range(1, 11))
-    counted = [[row["trained_tokens"] for row in progress(tmp_path / run) if "loss" in row] for run in ("one", "two")]
+    assert [row["step"] for row in progress(two) if "loss" in row] == list(range(1, 11))
+    counted = [[row["trained_tokens"] for row in progress(run) if "loss" in row] for run in (one, two)]
     assert counted[0] == counted[1]
 
 
@@ -127,31 +105,60 @@ def test_second_ctrl_c_stops_at_once_and_says_so(tmp_path):
     assert progress(run)[-1]["status"] == "failed" and progress(run)[-1]["error"] == "interrupted"
 
 
-def test_logging_backends_continue_when_the_run_resumes(tmp_path, monkeypatch):
+def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_registered(tmp_path):
+    """TensorBoard and MLflow (its embedded SQLite store in the workspace, no server, no settings) follow a run
+    that resumes; `finetune export --register` adds the export to MLflow's model registry."""
     pytest.importorskip("tensorboard")
-    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    env = {**os.environ, "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
-    run = tmp_path / "run"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")}
+    run = tmp_path / "runs" / "tracked"
     settings = ["train", "quickstart", f"output_dir={run}", *SHORT, "train.report_to=[tensorboard, mlflow]",
-                "train.save_strategy=steps", "train.save_steps=3"]
+                "train.save_strategy=steps", "train.save_steps=3", "data.eval_fraction=0.05",
+                "train.eval_strategy=steps", "train.eval_steps=2", "mlflow.log_model=true"]
     first = subprocess.run([sys.executable, "-m", "finetune", *settings, "train.max_steps=3"],
-                           capture_output=True, text=True, timeout=600, env=env)
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = subprocess.run([sys.executable, "-m", "finetune", *settings, "--resume"],
-                             capture_output=True, text=True, timeout=600, env=env)
+                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     board = EventAccumulator(str(run / "tensorboard"))  # one log for the run, in the run folder
     board.Reload()
     assert [event.step for event in board.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny has no SQL store; its file store needs it
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
-    assert len(runs) == 1  # the resumed run went on in the same MLflow run
-    history = mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "loss")
-    assert sorted(point.step for point in history) == [1, 2, 3, 4, 5, 6]
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # beside runs/
+    assert f"open it with: mlflow ui --backend-store-uri {store}" in resumed.stdout
+    client = MlflowClient(store)
+    [experiment] = [e for e in client.search_experiments() if e.name == "quickstart"]  # the recipe's name
+    [tracked] = client.search_runs([experiment.experiment_id])  # the resumed run went on in the same MLflow run
+    assert tracked.info.run_name == "tracked" and tracked.info.status == "FINISHED"
+    assert tracked.data.params["train.learning_rate"] == "0.001" and tracked.data.params["method"] == "lora"
+    assert tracked.data.params["model.name_or_path"] == "builtin:tiny-llama"
+    rows = progress(run)
+    for metric in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "trained_tokens", "peak_memory_gb",
+                   "eval_loss", "eval_mean_token_accuracy"):
+        history = client.get_metric_history(tracked.info.run_id, metric)
+        expected = [(row["step"], row[metric]) for row in rows if metric in row]
+        logged = sorted((point.step, point.value) for point in history)
+        assert [step for step, _ in logged] == [step for step, _ in expected], metric  # one value per row's step
+        assert [value for _, value in logged] == pytest.approx([value for _, value in expected]), metric
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5, 6]
+    artifacts = {item.path for item in client.list_artifacts(tracked.info.run_id)}
+    assert artifacts == {"finetune.yaml", "progress.jsonl", "model"}
+    model = {item.path for item in client.list_artifacts(tracked.info.run_id, "model")}
+    assert {"model/adapter_model.safetensors", "model/README.md", "model/finetune.yaml"} <= model
+
+    exported = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--out", "exports/greeter",
+                               "--register", "greeter"], capture_output=True, text=True, timeout=600, env=env,
+                              cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"registered: greeter version 1 in {store}" in exported.stdout
+    [version] = client.search_model_versions("name='greeter'")
+    assert version.source == str(tmp_path / "exports" / "greeter") and version.run_id == tracked.info.run_id
+    assert version.description.startswith("# greeter") and "A LoRA fine-tune of `builtin:tiny-llama`" in version.description
 
 
 def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):

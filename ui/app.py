@@ -14,8 +14,9 @@ import sys
 import gradio as gr
 import pandas as pd
 
+from finetune.tracking import recorded
 from ui.chat_models import ChatModels
-from ui.workspace import FIELDS, PanelError, RunInfo, Workspace, check_name
+from ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
 
 ONE_PROCESS = "one process (finetune train)"
 THIS_CPU = "this machine's CPU"
@@ -37,8 +38,8 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             with gr.Row():
                 recipe = gr.Dropdown(workspace.recipe_names(), label="Recipe", value="quickstart", scale=2)
                 upload = gr.UploadButton("Upload a recipe (YAML)", file_types=[".yaml", ".yml"], scale=1)
-                launcher = gr.Dropdown([ONE_PROCESS, *workspace.accelerate_config_names()], value=ONE_PROCESS,
-                                       label="Launch with", scale=1)
+                launcher = gr.Dropdown([ONE_PROCESS, *map(_launcher_choice, workspace.launchers())],
+                                       value=ONE_PROCESS, label="Launch with", scale=1)
             with gr.Row():
                 run_name = gr.Textbox(label="Run name", placeholder="empty: a fresh run-DATE-TIME")
                 fields = {label: gr.Textbox(label=label) for label in FIELDS}
@@ -354,6 +355,12 @@ def _accelerate(choice: str) -> str | None:
     return None if choice == ONE_PROCESS else choice
 
 
+def _launcher_choice(name: str) -> tuple[str, str]:
+    """(label, value) of a launcher: an accelerate config by its name, `ray:N` as Ray Train with N workers."""
+    workers = name.removeprefix(RAY_PREFIX)
+    return (f"Ray Train, {workers} workers", name) if name.startswith(RAY_PREFIX) else (name, name)
+
+
 def _run_names(workspace: Workspace) -> list[str]:
     return [info.name for info in workspace.runs_list()]
 
@@ -397,6 +404,9 @@ def _status_card(info: RunInfo) -> str:
         ]))
     if info.status == "failed" and info.rows and info.rows[-1].get("error"):
         parts.append(f"Error: `{info.rows[-1]['error']}`")
+    mlflow = recorded(info.rows)
+    if mlflow:
+        parts.append(f"MLflow run `{mlflow['run_id']}` · open it with `{mlflow['open']}`")
     if info.resumable:
         parts.append("**Resume** continues it from its newest complete checkpoint.")
     return "\n\n".join(parts)

@@ -3,6 +3,7 @@
     WORKSPACE/recipes/     recipes uploaded through the panel (shipped ones come from configs/)
     WORKSPACE/runs/NAME/   run folders, written by the runs themselves (finetune/run_folder.py says what is in them)
     WORKSPACE/exports/     exports
+    WORKSPACE/mlflow.db    MLflow's store, for runs that report to MLflow (artifacts in WORKSPACE/mlartifacts/)
     WORKSPACE/.launches/   one record (NAME.json: command, process group, when its leader started) and console log
                            per launch
 
@@ -15,6 +16,7 @@ runs it, and a launch record's process group counts only while its leader is the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -40,6 +42,10 @@ FIELDS = {  # the recipe keys the Train tab edits, by label
     "LoRA rank": "lora.r",
     "max length": "train.max_length",
 }
+
+
+RAY_PREFIX = "ray:"
+RAY_WORKERS = (2, 4, 8)
 
 
 class PanelError(Exception):
@@ -130,18 +136,30 @@ class Workspace:
     def accelerate_config_names() -> list[str]:
         return sorted(path.stem for path in accelerate_configs_dir().glob("*.yaml"))
 
+    @classmethod
+    def launchers(cls) -> list[str]:
+        """What a run can be launched with besides one process: the accelerate configs, and Ray Train with a
+        number of workers (`ray:N`, on the cluster RAY_ADDRESS names, else a local one) where Ray is installed."""
+        ray = [f"{RAY_PREFIX}{workers}" for workers in RAY_WORKERS] if importlib.util.find_spec("ray") else []
+        return [*cls.accelerate_config_names(), *ray]
+
+    def _launch_options(self, launch_with: str | None) -> list[str]:
+        if not launch_with:
+            return []
+        if launch_with not in self.launchers():
+            raise PanelError(f"cannot launch with {launch_with!r}: choose one of {', '.join(self.launchers())}")
+        if launch_with.startswith(RAY_PREFIX):
+            return ["--engine", "ray", "--num-workers", launch_with.removeprefix(RAY_PREFIX)]
+        return ["--accelerate-config", launch_with]
+
     # Runs.
     def run_folder(self, name: str) -> Path:
         return self.runs / check_name(name, "run name")
 
-    def command(self, recipe: str, overrides: list[str], run_name: str, accelerate_config: str | None) -> list[str]:
-        command = [sys.executable, "-m", "finetune", "train", str(self.recipe_path(recipe)),
-                   *overrides, f"output_dir={self.run_folder(run_name)}"]
-        if accelerate_config:
-            if accelerate_config not in self.accelerate_config_names():
-                raise PanelError(f"no accelerate config named {accelerate_config!r}")
-            command += ["--accelerate-config", accelerate_config]
-        return command
+    def command(self, recipe: str, overrides: list[str], run_name: str, launch_with: str | None) -> list[str]:
+        """`finetune train` for the run; `launch_with` is one of `launchers()`, or None for one process."""
+        return [sys.executable, "-m", "finetune", "train", str(self.recipe_path(recipe)), *overrides,
+                f"output_dir={self.run_folder(run_name)}", *self._launch_options(launch_with)]
 
     def validate(self, recipe: str, overrides: list[str], run_name: str) -> tuple[bool, str]:
         """`finetune validate`, the CLI's own checks, in a child process: (ok, what it printed)."""
@@ -150,12 +168,15 @@ class Workspace:
         result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=900)
         return result.returncode == 0, (result.stdout if result.returncode == 0 else result.stderr).strip()
 
-    def estimate(self, recipe: str, overrides: list[str], accelerate_config: str | None, gpu: str | None) -> str:
+    def estimate(self, recipe: str, overrides: list[str], launch_with: str | None, gpu: str | None) -> str:
         """`finetune estimate` in a child process: the memory plan's table, or its error message."""
         command = [sys.executable, "-m", "finetune", "estimate", str(self.recipe_path(recipe)), *overrides,
                    *(["--gpu", gpu] if gpu else ["--device", "cpu"])]
-        if accelerate_config:
-            command += ["--accelerate-config", accelerate_config]
+        launch = self._launch_options(launch_with)
+        if launch[:2] == ["--engine", "ray"]:
+            command += ["--num-gpus", launch[-1]]  # a Ray worker is a DDP process
+        else:
+            command += launch
         result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=300)
         return (result.stdout if result.returncode == 0 else result.stderr).strip()
 
@@ -189,9 +210,10 @@ class Workspace:
             raise PanelError(f"run {name!r} cannot be resumed: {why}")
         folder = self.run_folder(name)
         before = (self._launch_record(name) or {}).get("command", [])
-        launcher = before[before.index("--accelerate-config"):][:2] if "--accelerate-config" in before else []
+        first_option = next((index for index, item in enumerate(before) if item.startswith("--")), len(before))
+        launch = [item for item in before[first_option:] if item != "--resume"]  # as it was launched
         command = [sys.executable, "-m", "finetune", "train", str(folder / run_folder.CONFIG_NAME),
-                   f"output_dir={folder}", "--resume", *launcher]
+                   f"output_dir={folder}", "--resume", *launch]
         return self.launch(command, name, resuming=True)
 
     def runs_list(self) -> list[RunInfo]:

@@ -1,0 +1,132 @@
+"""Ray Train as the engine: `finetune train RECIPE --engine ray --num-workers N` runs the same `run()` in N Ray
+workers (ray.train.torch.TorchTrainer), which form the torch process group as `accelerate launch` would.
+
+- The run folder (output_dir) is written by rank 0 as in every run; every worker reads the checkpoint it resumes
+  from there, so on several machines it must be on storage they all reach (a shared file system).
+- Each complete checkpoint is reported to Ray as a pointer to the run folder's checkpoint-N; Ray keeps its own
+  state under --storage. When a worker dies, Ray starts the group again (up to --max-failures times) and the new
+  workers resume from the run's newest complete checkpoint, through the same resume as `--resume`.
+- A run that fails for a reason that would fail again (bad input, a non-finite loss, out of memory, no space) is
+  not retried: the workers return and the run folder says why.
+
+Nothing heavy is imported at the top: Ray imports this module in each worker before the backend (Unsloth) loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from finetune.errors import RunFailed, UserError
+from finetune.run_folder import FINAL_NAME, final_status, read_rows
+
+POINTER_NAME = "finetune_checkpoint.json"
+
+
+def launch(recipe_path: str, overrides: list[str], resume: bool | str, output_dir: str, workers: int,
+           gpus_per_worker: float | None, address: str | None, storage: str | None, max_failures: int) -> int:
+    """Train under Ray Train; returns the exit status (0 completed or stopped, 1 failed)."""
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError:
+        raise UserError("--engine ray needs Ray Train: pip install -e \".[ray]\"") from None
+
+    ray.init(address=address, log_to_driver=True)
+    try:
+        if gpus_per_worker is None:
+            gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) else 0
+        resources = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+        trainer = TorchTrainer(
+            _work,
+            train_loop_config={"recipe": recipe_path, "overrides": overrides, "resume": resume, "cwd": os.getcwd()},
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(gpus_per_worker),
+                                         resources_per_worker=resources),
+            run_config=RunConfig(name=Path(output_dir).name, storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=max_failures)),
+        )
+        result = trainer.fit()
+    finally:
+        ray.shutdown()
+    status = final_status(read_rows(output_dir)) or {"status": "failed", "error": "the workers ended without a status"}
+    print(f"ray: the run's Ray state is in {result.path}", flush=True)
+    if status["status"] == "failed":
+        raise RunFailed(status.get("error") or "the run failed")
+    print(f"{status['status']}: {Path(output_dir) / FINAL_NAME}", flush=True)
+    return 0
+
+
+def _work(config: dict) -> None:
+    """One Ray worker: `run()`; after a restart, resumed from the run's newest complete checkpoint."""
+    import ray.train
+    import torch.distributed
+
+    from finetune import backends
+
+    if os.path.isdir(config["cwd"]):
+        os.chdir(config["cwd"])  # relative paths (recipe, data, output_dir) mean what they meant at the launch
+    backends.import_first(config["recipe"], config["overrides"])
+    from finetune.config import load_recipe
+    from finetune.run_folder import latest_checkpoint
+    from finetune.training_run import run
+
+    output_dir = load_recipe(config["recipe"], config["overrides"]).output_dir
+    resume = [config["resume"]]
+    if ray.train.get_context().get_world_rank() == 0 and _started_before():
+        if latest_checkpoint(output_dir) is not None:
+            resume = [True]
+        elif not config["resume"]:
+            shutil.rmtree(output_dir, ignore_errors=True)  # an earlier try that failed before its first checkpoint
+    torch.distributed.broadcast_object_list(resume)
+    try:
+        run(config["recipe"], config["overrides"], resume[0], callbacks=(_reporter(),))
+    except (UserError, RunFailed):
+        pass  # it would fail again if Ray retried it; the run folder says why, and the launch reads it there
+
+
+def _started_before() -> bool:
+    """Whether an earlier try of this Ray run started (Ray starts the workers again after one died). Ray's own
+    record of the last checkpoint cannot say: a report may not be committed yet when a worker dies."""
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    marker = f"{storage.experiment_fs_path}/finetune_started"
+    if storage.storage_filesystem.get_file_info(marker).size is not None:
+        return True
+    storage.storage_filesystem.create_dir(storage.experiment_fs_path)
+    with storage.storage_filesystem.open_output_stream(marker):
+        pass
+    return False
+
+
+def _reporter():
+    """A TrainerCallback that reports each complete checkpoint (a pointer to it) with the latest logged metrics to
+    Ray, on every worker (Ray's report is collective). Made here: in a worker, transformers loads after the
+    backend."""
+    from transformers import TrainerCallback
+
+    class ReportToRay(TrainerCallback):
+        def __init__(self):
+            self.metrics: dict = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.metrics.update({key: value for key, value in (logs or {}).items() if isinstance(value, (int, float))})
+
+        def on_save(self, args, state, control, **kwargs):
+            import ray.train
+
+            metrics = {**self.metrics, "step": state.global_step}
+            if not state.is_world_process_zero:
+                ray.train.report(metrics)
+                return
+            checkpoint = Path(args.output_dir).absolute() / f"checkpoint-{state.global_step}"
+            with tempfile.TemporaryDirectory() as pointer:
+                (Path(pointer) / POINTER_NAME).write_text(json.dumps({"checkpoint": str(checkpoint)}))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer),
+                                 checkpoint_dir_name=checkpoint.name)
+
+    return ReportToRay()
