@@ -397,10 +397,10 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, l
     tokenizer, data. Returns the recipe and the data report."""
     from finetune import backends, resuming
     from finetune.config import load_recipe
-    from finetune.train_section import check_device_options
     from finetune.data.pipeline import prepare
     from finetune.model import load_tokenizer, model_config
     from finetune.run_folder import check_free, check_writable, read_rows
+    from finetune.train_section import check_device_options
 
     recipe = load_recipe(recipe_path, overrides)
     backend, why = backends.resolve(recipe.model.backend)

@@ -131,7 +131,9 @@ class MlflowSection:
                                         "(http://HOST:5000) or a database URI; default: MLFLOW_TRACKING_URI, else "
                                         "mlflow.db (SQLite) in the workspace, beside runs/."}
     )
-    experiment: str | None = field(default=None, metadata={"help": "The MLflow experiment; default: the recipe's name."})
+    experiment: str | None = field(
+        default=None, metadata={"help": "The MLflow experiment; default: the recipe's name."}
+    )
     log_model: bool = field(
         default=False, metadata={"help": "Also log the final model (the adapter) with its model card as artifacts."}
     )

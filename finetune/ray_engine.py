@@ -36,7 +36,8 @@ def launch(recipe_path: str, overrides: list[str], resume: bool | str, output_di
     except ImportError:
         raise UserError("--engine ray needs Ray Train: pip install -e \".[ray]\"") from None
 
-    ray.init(address=address, log_to_driver=True)
+    # Ray Train sends a worker's prints through its logger as well as to the console: each line would show twice.
+    ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}})
     try:
         if gpus_per_worker is None:
             gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) else 0

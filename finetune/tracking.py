@@ -168,8 +168,9 @@ def register(export: Path, name: str, run: Path | None) -> tuple[str, str]:
     except MlflowException:
         client.create_registered_model(name)
     card = export / "README.md"
+    same_store = logged is not None and logged["tracking_uri"] == uri
     version = client.create_model_version(
-        name, source=str(export.absolute()), run_id=logged["run_id"] if logged and logged["tracking_uri"] == uri else None,
+        name, source=str(export.absolute()), run_id=logged["run_id"] if same_store else None,
         description=ModelCard.load(card).text.strip() if card.is_file() else None,  # without its metadata
         tags={"finetune.run_folder": str(run.absolute())} if run else None)
     return version.version, uri

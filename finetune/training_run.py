@@ -27,9 +27,9 @@ from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
+from finetune.signals import StopRequest
 from finetune.tracking import MlflowTracking
 from finetune.train_section import check_device_options, trains_on_cpu
-from finetune.signals import StopRequest
 
 logger = logging.getLogger("finetune")
 

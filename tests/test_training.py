@@ -50,6 +50,13 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(equal_ba
     assert [row["step"] for row in progress(two) if "loss" in row] == list(range(1, 11))
     counted = [[row["trained_tokens"] for row in progress(run) if "loss" in row] for run in (one, two)]
     assert counted[0] == counted[1]
+    if (two.parent / "mlflow.db").exists():  # the main process alone logs to MLflow: one value per step
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{two.parent / 'mlflow.db'}")
+        [tracked] = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+        history = client.get_metric_history(tracked.info.run_id, "loss")
+        assert sorted(point.step for point in history) == list(range(1, 11))
 
 
 def test_qlora_trains_on_cpu(tmp_path):
@@ -158,7 +165,8 @@ def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_regist
     assert f"registered: greeter version 1 in {store}" in exported.stdout
     [version] = client.search_model_versions("name='greeter'")
     assert version.source == str(tmp_path / "exports" / "greeter") and version.run_id == tracked.info.run_id
-    assert version.description.startswith("# greeter") and "A LoRA fine-tune of `builtin:tiny-llama`" in version.description
+    assert version.description.startswith("# greeter")  # the card, without its metadata block
+    assert "A LoRA fine-tune of `builtin:tiny-llama`" in version.description
 
 
 def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
