@@ -17,7 +17,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from finetune.run_folder import RunFolder, final_status, read_rows
+from finetune.run_folder import finish_unfinished
 
 
 def supervise(command: list[str], run: str | Path) -> int:
@@ -42,12 +42,9 @@ def supervise(command: list[str], run: str | Path) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    rows = read_rows(run)
-    if code != 0 and rows and final_status(rows) is None:  # killed before the main process could say so
-        step = max((row.get("step", 0) for row in rows), default=0)
-        reason = "interrupted" if stop["at_once"] else \
-            f"a training process exited with status {code} (see {Path(run) / 'train.log'})"
-        RunFolder(run).finish("failed", step, 0.0, reason)
+    if code != 0:
+        finish_unfinished(run, "interrupted" if stop["at_once"] else
+                          f"a training process exited with status {code} (see {Path(run) / 'train.log'})")
     return 130 if stop["at_once"] else code
 
 

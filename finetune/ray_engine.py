@@ -14,21 +14,31 @@ Nothing heavy is imported at the top: Ray imports this module in each worker bef
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
 from finetune.errors import RunFailed, UserError
-from finetune.run_folder import FINAL_NAME, final_status, read_rows
+from finetune.run_folder import (
+    FINAL_NAME,
+    LOG_NAME,
+    PROGRESS_NAME,
+    STOP_NAME,
+    final_status,
+    finish_unfinished,
+    read_rows,
+)
 
 POINTER_NAME = "finetune_checkpoint.json"
 
 
 def launch(recipe_path: str, overrides: list[str], resume: bool | str, output_dir: str, workers: int,
            gpus_per_worker: float | None, address: str | None, storage: str | None, max_failures: int) -> int:
-    """Train under Ray Train; returns the exit status (0 completed or stopped, 1 failed)."""
+    """Train under Ray Train; returns the exit status (0: completed or stopped)."""
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -50,15 +60,40 @@ def launch(recipe_path: str, overrides: list[str], resume: bool | str, output_di
             run_config=RunConfig(name=Path(output_dir).name, storage_path=storage,
                                  failure_config=FailureConfig(max_failures=max_failures)),
         )
-        result = trainer.fit()
+        with _stop_at_sigterm(Path(output_dir)):
+            result = trainer.fit()
     finally:
         ray.shutdown()
-    status = final_status(read_rows(output_dir)) or {"status": "failed", "error": "the workers ended without a status"}
+        finish_unfinished(output_dir, "the Ray workers ended without a status: stopped at once (Ctrl-C is Ray's "
+                          f"abort), or lost (see {Path(output_dir) / LOG_NAME} and Ray's logs)")
+    status = final_status(read_rows(output_dir)) or {"status": "failed", "error": "the run did not start"}
     print(f"ray: the run's Ray state is in {result.path}", flush=True)
     if status["status"] == "failed":
         raise RunFailed(status.get("error") or "the run failed")
     print(f"{status['status']}: {Path(output_dir) / FINAL_NAME}", flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _stop_at_sigterm(run: Path):
+    """SIGTERM to this process (the panel's Stop, a scheduler) stops the workers at the end of their step with a
+    checkpoint, through the run folder's .stop file; before training started there is nothing to save. (Ctrl-C is
+    Ray's: it aborts the run at once.)"""
+    marker = run / STOP_NAME
+
+    def on_sigterm(signum, frame):
+        if not (run / PROGRESS_NAME).exists():
+            raise KeyboardInterrupt
+        print("stopping at the end of this step, with a checkpoint", flush=True)
+        marker.touch()
+
+    marker.unlink(missing_ok=True)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        marker.unlink(missing_ok=True)
 
 
 def _work(config: dict) -> None:

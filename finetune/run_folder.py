@@ -8,6 +8,8 @@
                            (written last) is there
     final/                 the adapter (or full model) and the tokenizer with its chat template; appears whole
     .lock                  held by the run's main process while it runs (with its process id inside)
+    .stop                  asks the run to stop at the end of its step, with a checkpoint, where its processes
+                           cannot take signals (Ray workers); the launch that wrote it removes it
 
 This module imports nothing heavy: the panel reads runs with it alone. Only a run's main process writes.
 """
@@ -32,6 +34,7 @@ PROGRESS_NAME = "progress.jsonl"
 LOG_NAME = "train.log"
 FINAL_NAME = "final"
 LOCK_NAME = ".lock"
+STOP_NAME = ".stop"
 CHECKPOINT_STATE_NAME = "finetune_state.json"
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -64,6 +67,13 @@ def training_rows(rows: list[dict]) -> list[dict]:
 def final_status(rows: list[dict]) -> dict | None:
     """The status row that ends the run, if it has ended."""
     return rows[-1] if rows and "status" in rows[-1] else None
+
+
+def finish_unfinished(run: str | Path, reason: str) -> None:
+    """A run whose processes ended without saying how (killed before the main one could): status failed."""
+    rows = read_rows(run)
+    if rows and final_status(rows) is None:
+        RunFolder(run).finish("failed", max((row.get("step", 0) for row in rows), default=0), 0.0, reason)
 
 
 def checkpoint_step(path: str | Path) -> int | None:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 logger = logging.getLogger("finetune")
 
@@ -21,17 +22,27 @@ def under_launcher() -> bool:
 
 
 class StopRequest:
-    """Installs its handlers for as long as it is entered; `requested` says whether a stop was asked for."""
+    """Installs its handlers for as long as it is entered; `requested` says whether a stop was asked for.
+
+    Where no handler can be installed (a Ray Train worker runs `run()` in a thread), the request is the file
+    `marker` (the run folder's .stop, written by the Ray launch when it is asked to stop)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, marker: Path | None = None):
+        self.asked = False
+        self.marker = marker
+        self._watch_marker = False
         self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.asked or (self._watch_marker and self.marker.exists())
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
-            return self  # a Ray Train worker runs `run()` in a thread; Ray stops its workers itself
+            self._watch_marker = self.marker is not None
+            return self
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -42,8 +53,8 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT and not under_launcher():
+        if self.asked and signum == signal.SIGINT and not under_launcher():
             raise KeyboardInterrupt
-        if not self.requested:
+        if not self.asked:
             logger.warning("stop requested: saving a checkpoint at the end of this step")
-        self.requested = True
+        self.asked = True

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -25,7 +26,7 @@ from finetune.errors import RunFailed, UserError
 from finetune.model import load_model, load_tokenizer, model_config, training_precision
 from finetune.report import describe_data
 from finetune.resuming import ResumePoint
-from finetune.run_folder import FINAL_NAME, LOG_NAME, RunFolder, check_free, check_writable
+from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, check_free, check_writable
 from finetune.sft_trainer import ProgressCallback, RunTrainer
 from finetune.signals import StopRequest
 from finetune.tracking import MlflowTracking
@@ -44,7 +45,7 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
     transformers.utils.logging.disable_progress_bar()  # weight loading and saving bars; the training bar stays
     state = PartialState()
     try:
-        with StopRequest() as stop:
+        with StopRequest(Path(recipe.output_dir) / STOP_NAME) as stop:
             status = _train(recipe, state, stop, resume, callbacks)
         state.wait_for_everyone()  # no process tears the group down while another still uses it
         return status

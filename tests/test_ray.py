@@ -1,5 +1,6 @@
 """Ray Train as the engine, on a local Ray: two workers train like two accelerate processes and like one process
-with the same global batch, and a worker killed mid-run is started again by Ray and the run resumes."""
+with the same global batch, a worker killed mid-run is started again by Ray and the run resumes, and the panel's
+Stop ends a Ray run with a checkpoint."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.conftest import EQUAL_BATCH_EPOCH, run_cli
+from tests.conftest import EQUAL_BATCH_EPOCH, SHORT, run_cli
 from tests.test_training import adapter, losses, progress
 
 pytestmark = pytest.mark.integration
@@ -52,3 +54,24 @@ def test_ray_options_are_checked_before_anything_starts(tmp_path):
     result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", "--engine", "ray", "--num-workers", "0")
     assert result.returncode == 2 and "--num-workers must be at least 1" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_panel_stops_a_ray_run_at_the_end_of_a_step_with_a_checkpoint(tmp_path):
+    """Stop signals the Ray driver alone (Ray's own processes share its group); the workers see the run folder's
+    .stop, save a checkpoint and end with status stopped, and no process of the launch is left."""
+    pytest.importorskip("ray.train", reason="the ray extra is not installed")
+    from finetune.run_folder import checkpoint_step, latest_checkpoint, training_rows
+    from ui.workspace import Workspace, group_alive
+
+    workspace = Workspace(tmp_path)
+    group = workspace.launch(workspace.command("quickstart", [*SHORT, "train.max_steps=1000"], "r", "ray:2"), "r")
+    deadline = time.monotonic() + 600
+    while len(training_rows(workspace.run("r").rows)) < 2:
+        assert group_alive(group), workspace.console_tail("r")
+        assert time.monotonic() < deadline, "the run never trained"
+        time.sleep(0.5)
+    assert workspace.stop("r") == "stopped", workspace.console_tail("r")
+    info = workspace.run("r")
+    assert info.status == "stopped" and info.resumable, workspace.console_tail("r")
+    assert checkpoint_step(latest_checkpoint(workspace.run_folder("r"))) == info.rows[-1]["step"] < 1000
+    assert not (workspace.run_folder("r") / ".stop").exists() and not group_alive(group)

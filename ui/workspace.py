@@ -244,13 +244,17 @@ class Workspace:
     def stop(self, name: str, grace_s: float = 120) -> str:
         """Stop gracefully (SIGTERM: a checkpoint at the end of the step, status stopped), then by force; returns
         how it ended. Afterwards no process of the run is left."""
-        group = self._launched_group(self._launch_record(name) or {})
+        launch = self._launch_record(name) or {}
+        group = self._launched_group(launch)
         holder = run_folder.running(self.run_folder(name))
         if group is None and holder is None:
             return "not running"
         # A run the panel launched gets the signal as its whole process group; one started from the command line,
-        # at its main process (which tells the others).
-        if group is not None:
+        # at its main process (which tells the others). A Ray launch, at its driver alone: Ray's own processes
+        # share its group and would end at once.
+        if group is not None and _with_ray(launch.get("command", [])):
+            _signal(group, signal.SIGTERM)  # the group's leader
+        elif group is not None:
             _signal_group(group, signal.SIGTERM)
         else:
             _signal(holder["pid"], signal.SIGTERM)
@@ -312,6 +316,10 @@ def check_name(name: str, what: str) -> str:
     if not isinstance(name, str) or not NAME.match(name):
         raise PanelError(f"{what} {name!r}: use letters, digits, '.', '_' and '-' (no paths)")
     return name
+
+
+def _with_ray(command: list[str]) -> bool:
+    return any(option == "--engine" and value == "ray" for option, value in zip(command, command[1:]))
 
 
 def group_alive(group: int) -> bool:
