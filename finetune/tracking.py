@@ -67,8 +67,9 @@ def check_store(run: str | Path, configured: str | None, where: str) -> None:
 
 
 def recorded(rows: list[dict]) -> dict[str, Any] | None:
-    """The MLflow run a run folder logged to ({run_id, experiment_id, tracking_uri, open}), if any."""
-    return next((row["mlflow"] for row in rows if "mlflow" in row), None)
+    """The MLflow run a run folder logs to ({run_id, experiment_id, tracking_uri, open}), if any: the latest, should
+    a resumed run have moved to another store."""
+    return next((row["mlflow"] for row in reversed(rows) if "mlflow" in row), None)
 
 
 class MlflowTracking:
