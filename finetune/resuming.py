@@ -104,7 +104,7 @@ def check_same_run(now: dict[str, Any], output_dir: str) -> None:
     """Refuse a recipe that differs from the run's saved one other than in MAY_CHANGE, naming the first key."""
     saved_path = Path(output_dir) / CONFIG_NAME
     saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
-    before, after = _flat(saved), _flat(now)
+    before, after = flat_recipe(saved), flat_recipe(now)
     for key in sorted(before.keys() | after.keys()):
         if key in MAY_CHANGE or before.get(key) == after.get(key):
             continue
@@ -133,11 +133,12 @@ def check_global_batch(point: ResumePoint, per_device: int, accumulation: int, p
             "differ from an uninterrupted run")
 
 
-def _flat(recipe: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_recipe(recipe: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train.learning_rate": 0.001, "method": "lora", ...}: each section's keys, their values whole."""
     flat = {}
     for key, value in recipe.items():
         if isinstance(value, dict) and not prefix:  # the sections; values inside them stay whole
-            flat.update(_flat(value, f"{prefix}{key}."))
+            flat.update(flat_recipe(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -267,7 +267,6 @@ class ProgressCallback(TrainerCallback):
 def peak_memory_gb() -> float:
     """Peak accelerator memory of this process where there is one, else its peak resident memory."""
     import resource
-    import sys
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30

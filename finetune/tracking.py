@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune.resuming import flat_recipe
 from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME, RunFolder, read_rows
 
 DATABASE_NAME = "mlflow.db"
@@ -137,7 +138,7 @@ class MlflowTracking:
         from mlflow.entities import Param
 
         logged = self.client.get_run(self.run_id).data.params
-        params = [Param(key, _shown(value)) for key, value in _flat(self.recipe.to_dict()).items()
+        params = [Param(key, _shown(value)) for key, value in flat_recipe(self.recipe.to_dict()).items()
                   if key not in logged]  # a resumed run may only change what it logged already in how it logs
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start:start + 100], synchronous=True)
@@ -175,16 +176,6 @@ def register(export: Path, name: str, run: Path | None) -> tuple[str, str]:
         description=ModelCard.load(card).text.strip() if card.is_file() else None,  # without its metadata
         tags={"finetune.run_folder": str(run.absolute())} if run else None)
     return version.version, uri
-
-
-def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _shown(value: Any) -> str:
