@@ -60,14 +60,25 @@ class Chat:
         from finetune.data.render import Renderer
 
         self.folder = saved_model.locate(path)
-        self.tokenizer = saved_model.load_tokenizer(self.folder)
+        tokenizer = saved_model.load_tokenizer(self.folder)
         data = self.folder.recipe.data
-        self.renderer = Renderer(self.tokenizer, self.tokenizer.chat_template, data.template_date,
-                                 template_kwargs=data.template_kwargs)
-        self.harmony = "<|channel|>" in self.tokenizer.get_vocab()
-        self.end_ids = end_token_ids(self.tokenizer, self.renderer)
+        renderer = Renderer(tokenizer, tokenizer.chat_template, data.template_date,
+                            template_kwargs=data.template_kwargs)
         load = saved_model.load_original if base else saved_model.load_model
-        self.model = load(self.folder, base_model)
+        self._bind(load(self.folder, base_model), tokenizer, renderer)
+
+    @classmethod
+    def of(cls, model, tokenizer, renderer) -> "Chat":
+        """A Chat with a model that is loaded already (the one being trained, for samples during training)."""
+        chat = cls.__new__(cls)
+        chat.folder = None
+        chat._bind(model, tokenizer, renderer)
+        return chat
+
+    def _bind(self, model, tokenizer, renderer) -> None:
+        self.model, self.tokenizer, self.renderer = model, tokenizer, renderer
+        self.harmony = "<|channel|>" in tokenizer.get_vocab()
+        self.end_ids = end_token_ids(tokenizer, renderer)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         from finetune.data.formats import BadRow
@@ -143,6 +154,47 @@ class Chat:
     def reply(self, messages: list[dict], sampling: Sampling = Sampling()) -> Reply:
         *_, whole = self.stream(messages, sampling)
         return whole
+
+    def replies(self, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16) -> list[Reply]:
+        """Greedy replies to prompts (token ids, e.g. from `prompt_ids`), `batch_size` at a time: left-padded
+        batches through generate with its KV cache, each reply ending at the model's end tokens as in `stream`."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.end_ids)
+        chat = self
+
+        class FinalMessageEnd(StoppingCriteria):  # per row: GPT-OSS's <|end|> closes a final message only
+            def __init__(self, width: int):
+                self.width = width
+
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.tensor([chat._ended_by(row[self.width:].tolist()) is not None for row in input_ids],
+                                    dtype=torch.bool, device=input_ids.device)
+
+        replies = []
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start:start + batch_size]
+            width = max(len(prompt) for prompt in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=self.model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.model.device)
+            with torch.inference_mode():
+                output = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                    eos_token_id=sorted(self.end_ids), pad_token_id=pad, use_cache=True,
+                    stopping_criteria=StoppingCriteriaList([FinalMessageEnd(width)] if self.harmony else []),
+                )
+            for row in output[:, width:].tolist():
+                replies.append(self._parse(self._through_end(row), final=True))
+        return replies
+
+    def _through_end(self, generated: list[int]) -> list[int]:
+        """A batch row's reply: its tokens up to and including the first end token (finished rows are padded)."""
+        for length in range(1, len(generated) + 1):
+            token = generated[length - 1]
+            if (token in self.end_ids or self.harmony) and self._ended_by(generated[:length]) is not None:
+                return generated[:length]
+        return generated
 
     def _parse(self, generated: list[int], final: bool) -> Reply:
         reply = Reply(token_ids=list(generated), ended_by=self._ended_by(generated) if final else None)

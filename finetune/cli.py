@@ -7,6 +7,7 @@ import os
 import sys
 
 from finetune.errors import UserError
+from finetune.evaluate import DEFAULT_METRICS, METRICS  # light: its heavy imports are inside its functions
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
 OVERRIDES_HELP = "settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8)"
@@ -149,6 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
                         help="register the export as a new version of NAME in the MLflow model registry (the "
                         "store the run was tracked in, else MLFLOW_TRACKING_URI, else mlflow.db in the workspace)")
     export.set_defaults(command=export_command)
+    evaluate = commands.add_parser(
+        "eval", help="evaluate trained models side by side: loss, generated answers and their metrics",
+        description="For each TARGET: loss and perplexity on --data with the template and masks of training, greedy "
+        "answers to its prompts (batched), exact match, contains, ROUGE-L, BLEU, stop rate and mean length; "
+        "optionally lm-evaluation-harness tasks. Prints a table of the targets side by side; keeps the results and "
+        "answers in each target's run folder (eval/) and in --out.",
+    )
+    evaluate.add_argument("targets", nargs="+", metavar="TARGET",
+                          help="a run (its final/), a checkpoint-N/, an export, or base:RUN for the model a run "
+                          "started from")
+    evaluate.add_argument("--data", metavar="FILE", help="examples in any format training reads: the prompt is what "
+                          "comes before the last assistant turn, which is the reference answer")
+    evaluate.add_argument("--metric", action="append", choices=METRICS, metavar="NAME",
+                          help=f"one of {', '.join(METRICS)}; repeat for more (default: exact_match and "
+                          "contains; loss, perplexity, stop_rate and mean_length are always reported)")
+    evaluate.add_argument("--extract", default="none", metavar="HOW",
+                          help="what exact match compares: none (the whole answer), gsm8k (the number after ####), "
+                          "last-number, or regex:PATTERN (its first group)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default: 16)")
+    evaluate.add_argument("--limit", type=int, help="the first N examples only")
+    evaluate.add_argument("--format", help="the data's format, if not the recipe's (messages, alpaca, sharegpt, "
+                          "prompt_completion, text)")
+    evaluate.add_argument("--columns", nargs="+", metavar="FIELD=COLUMN", default=[],
+                          help="map format fields to the data's columns, e.g. instruction=question output=answer")
+    evaluate.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (e.g. finetune_greetings)")
+    evaluate.add_argument("--include-tasks", action="append", default=[], metavar="DIR",
+                          help="a folder of lm-evaluation-harness task YAML files")
+    evaluate.add_argument("--out", help="also write each target's results and answers here")
+    evaluate.set_defaults(command=eval_command)
     ui = commands.add_parser(
         "ui", help="start the web panel (launch runs, watch them, chat, export)",
         description="Start the Gradio panel on http://127.0.0.1:PORT. Runs it launches keep going when it closes.",
@@ -261,6 +292,32 @@ def export_command(args) -> int:
 
         version, uri = register(result.folder, args.register, run)
         print(f"registered: {args.register} version {version} in {uri} (open it with: {open_command(uri)})")
+    return 0
+
+
+def eval_command(args) -> int:
+    from pathlib import Path
+
+    from finetune.evaluate import Settings, evaluate, table
+
+    if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise UserError("--max-new-tokens, --batch-size and --limit must be at least 1")
+    columns = {}
+    for item in args.columns:
+        name, sep, column = item.partition("=")
+        if not sep or not name or not column:
+            raise UserError(f"--columns {item}: write FIELD=COLUMN, e.g. instruction=question")
+        columns[name] = column
+    settings = Settings(args.data, args.metric or list(DEFAULT_METRICS), args.extract, args.max_new_tokens,
+                        args.batch_size, args.limit, [t.strip() for t in (args.tasks or "").split(",") if t.strip()],
+                        args.include_tasks, args.format, columns)
+    _quiet_loading()
+    results = evaluate(args.targets, settings, Path(args.out) if args.out else None)
+    print(table(results))
+    for result in results:
+        if result.answers:
+            shown = result.answers[0]
+            print(f"{result.target}: first answer {shown['answer']!r} (reference {shown['reference']!r})")
     return 0
 
 

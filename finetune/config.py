@@ -6,6 +6,7 @@
     data:     what to train on and how to render it (DataSection)
     train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...) over the toolkit's defaults,
               checked in train_section.py
+    eval:     what evaluations show besides the loss: answers to held-out prompts (EvalSection)
     mlflow:   where and how runs that report to MLflow are tracked (MlflowSection)
     output_dir: the run folder
 
@@ -125,6 +126,16 @@ class DataSection:
 
 
 @dataclass
+class EvalSection:
+    samples: int = field(
+        default=0, metadata={"help": "At every evaluation, also answer this many held-out prompts (the first of the "
+                                     "eval split), greedily: written to progress.jsonl, TensorBoard and MLflow, and "
+                                     "shown in the panel."}
+    )
+    max_new_tokens: int = field(default=128, metadata={"help": "The longest sample answer, in tokens."})
+
+
+@dataclass
 class MlflowSection:
     tracking_uri: str | None = field(
         default=None, metadata={"help": "Where runs are tracked with train.report_to [mlflow]: a server "
@@ -146,6 +157,7 @@ class Recipe:
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     train: dict[str, Any] = field(default_factory=dict, metadata={"help": "Fields of TRL's SFTConfig."})
+    eval: EvalSection = field(default_factory=EvalSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
     output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
 
@@ -192,7 +204,8 @@ class Recipe:
         return micro, total // (micro * processes)
 
 
-SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection, "mlflow": MlflowSection}
+SECTIONS = {"model": ModelSection, "lora": LoraSection, "data": DataSection, "eval": EvalSection,
+            "mlflow": MlflowSection}
 
 
 def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -346,6 +359,12 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
         raise UserError(f"{origin('data.num_proc')}: data.num_proc must be a positive whole number")
     if recipe.data.max_rows is not None and recipe.data.max_rows <= 0:
         raise UserError(f"{origin('data.max_rows')}: data.max_rows must be a positive whole number")
+    if recipe.eval.samples < 0 or recipe.eval.max_new_tokens < 1:
+        key = "eval.samples" if recipe.eval.samples < 0 else "eval.max_new_tokens"
+        raise UserError(f"{origin(key)}: {key} must be {'at least 0' if key == 'eval.samples' else 'at least 1'}")
+    if recipe.eval.samples and not (recipe.data.eval or recipe.data.eval_fraction):
+        raise UserError(f"{origin('eval.samples')}: eval.samples answers held-out prompts, and there are none: set "
+                        "data.eval or data.eval_fraction")
     try:
         from datetime import date
 

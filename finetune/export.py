@@ -116,7 +116,11 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
     device = model.device
     model.save_pretrained(staging)
     generation = model.generation_config
-    generation.eos_token_id = sorted(end_token_ids(tokenizer, renderer))
+    # The base's end tokens stay (Llama 3.2 lists <|end_of_text|>, <|eom_id|> after a tool call and <|eot_id|>),
+    # with the template's own.
+    listed = generation.eos_token_id
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    generation.eos_token_id = sorted({*listed, *end_token_ids(tokenizer, renderer)})
     generation.pad_token_id = tokenizer.pad_token_id
     generation.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -177,7 +181,8 @@ def _point_adapter_at_base(staging: Path, source: saved_model.SavedModel) -> Non
 
     config_path = staging / saved_model.ADAPTER_CONFIG
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = builtin.resolve_model(source.recipe.model.name_or_path)
+    name = source.recipe.model.name_or_path
+    config["base_model_name_or_path"] = base_origin(name) or builtin.resolve_model(name)
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
@@ -212,6 +217,33 @@ def hub_id(name: str) -> str | None:
     return name
 
 
+def base_origin(name: str) -> str | None:
+    """The Hub id of the base model: the name itself, or for a local folder the id its config, its card or the
+    Hugging Face cache path names; None for a local model of unknown origin. Builtins keep their name."""
+    from finetune import builtin
+
+    if builtin.is_builtin(name) or hub_id(name):
+        return name
+    folder = Path(name).expanduser()
+    cached = [part for part in folder.resolve().parts if part.startswith("models--")]
+    if cached:  # ~/.cache/huggingface/hub/models--OWNER--NAME/snapshots/...
+        return cached[-1].removeprefix("models--").replace("--", "/", 1)
+    candidates = []
+    card = folder / "README.md"
+    if card.is_file():
+        from huggingface_hub import ModelCard
+
+        try:
+            base = ModelCard.load(card).data.base_model
+        except Exception:  # a card without metadata: no origin from it
+            base = None
+        candidates += base if isinstance(base, list) else [base]
+    config = folder / "config.json"
+    if config.is_file():
+        candidates.append(json.loads(config.read_text(encoding="utf-8")).get("_name_or_path"))
+    return next((c for c in candidates if isinstance(c, str) and hub_id(c)), None)
+
+
 def base_license(base: str) -> str | None:
     """The base model's license from its model card, when the card is on this machine (a local folder or the
     Hugging Face cache); None when unknown."""
@@ -237,12 +269,13 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
     from finetune import builtin
 
     recipe = source.recipe
-    base = recipe.model.name_or_path
-    loadable_base = builtin.resolve_model(base)  # builtins are local folders; Hub ids stay ids
+    origin = base_origin(recipe.model.name_or_path)
+    base = origin or "a local model"  # never this machine's path
+    loadable_base = builtin.resolve_model(origin) if origin else "BASE"  # builtins are local folders
     license = license or base_license(source.base_model()) or "other"
     datasets = hub_datasets(recipe)
     data = ModelCardData(
-        base_model=hub_id(base), datasets=datasets or None, license=license,
+        base_model=hub_id(origin) if origin else None, datasets=datasets or None, license=license,
         library_name="transformers" if merged else "peft", pipeline_tag="text-generation",
         tags=["finetune", "trl", "sft", *([] if merged else ["lora"]), *(["qlora"] if recipe.method == "qlora" else [])],
     )
@@ -252,7 +285,7 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
     lines = [
         f"# {title}",
         "",
-        f"{what} fine-tune of `{base}`, trained with finetune (TRL's `SFTTrainer` and PEFT)"
+        f"{what} fine-tune of {_quoted(base, origin)}, trained with finetune (TRL's `SFTTrainer` and PEFT)"
         + (f", exported merged into the base in {dtype}." if merged and source.is_adapter else
            f", exported in {dtype}." if merged else ": the adapter alone."),
         "",
@@ -260,7 +293,7 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         "",
         "| | |",
         "|---|---|",
-        f"| base model | `{base}` |",
+        f"| base model | {_quoted(base, origin)} |",
         f"| method | {recipe.method}"
         + (f" (r {recipe.lora.r}, alpha {recipe.lora.alpha}, targets {recipe.lora.target_modules}"
            + (f", parameters {', '.join(recipe.lora.target_parameters)}" if recipe.lora.target_parameters else "")
@@ -278,6 +311,7 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
             lines.append(f"| final {name.replace('_', ' ')} | {losses[name]:.4f} (step {losses[name + '_step']}) |")
         else:
             lines.append(f"| final {name.replace('_', ' ')} | not recorded |")
+    lines += evaluation_lines(source)
     lines += ["", "## Use it", "", "```python"]
     if merged:
         lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
@@ -296,14 +330,15 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         "```",
         "",
-        "REPO is this repository's id, or the folder it was downloaded to.",
+        "REPO is this repository's id, or the folder it was downloaded to"
+        + ("." if origin or merged else "; BASE is the base model this adapter was trained on."),
         "",
         "## Recipe",
         "",
         f"The resolved recipe ({CONFIG_NAME}, also in this folder):",
         "",
         "```yaml",
-        recipe.to_yaml().rstrip(),
+        _shown_recipe(recipe, base).rstrip(),
         "```",
         "",
         "## License",
@@ -312,6 +347,41 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
     ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
     card.save(staging / "README.md")
+
+
+def _quoted(base: str, origin: str | None) -> str:
+    return f"`{base}`" if origin else base
+
+
+def _shown_recipe(recipe, base: str) -> str:
+    """The recipe as the card shows it: the base model by its Hub id, or "a local model", never a path here."""
+    import dataclasses
+
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name_or_path=base)).to_yaml()
+
+
+def evaluation_lines(source: saved_model.SavedModel) -> list[str]:
+    """The card's evaluation section: `finetune eval` results kept in the run for this model, beside the base's
+    on the same data."""
+    from finetune.evaluate import saved_results, shown_value
+
+    if source.run is None:
+        return []
+    label = source.path.name
+    records = saved_results(source.run)
+    mine = {record["data"]: record for record in records if record["model"] == label}  # the newest per data
+    if not mine:
+        return []
+    base = {record["data"]: record for record in records if record["model"] == "base"}
+    lines = ["", "## Evaluation", "", "`finetune eval` on held-out data (greedy answers):", "",
+             "| data | metric | this model | base model |", "|---|---|---|---|"]
+    for data, record in mine.items():
+        shown = Path(data).name if data else "tasks"
+        for metric, value in {**record["metrics"], **record.get("tasks", {})}.items():
+            theirs = {**base.get(data, {}).get("metrics", {}), **base.get(data, {}).get("tasks", {})}.get(metric)
+            lines.append(f"| {shown} ({record['examples']} examples) | {metric} | {shown_value(metric, value)} | "
+                         f"{shown_value(metric, theirs) if theirs is not None else '-'} |")
+    return lines
 
 
 def gguf_converter() -> Path:

@@ -42,6 +42,8 @@ MAY_CHANGE = {
     "train.eval_on_start",
     "train.per_device_eval_batch_size",
     "train.report_to",
+    "eval.samples",
+    "eval.max_new_tokens",
     "mlflow.tracking_uri",
     "mlflow.experiment",
     "mlflow.log_model",

@@ -258,10 +258,13 @@ class ProgressCallback(TrainerCallback):
         if len(row) == 2:
             return  # the end-of-training summary: the status line says it
         row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
+        self.write(row)
+        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
+
+    def write(self, row: dict[str, Any]) -> None:
         self.run_folder.append(row)
         if self.also is not None:
             self.also(row)
-        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
 
 
 def peak_memory_gb() -> float:
@@ -272,3 +275,29 @@ def peak_memory_gb() -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kilobytes / (2**20 if sys.platform != "darwin" else 2**30)
+
+
+class SamplesCallback(TrainerCallback):
+    """At every evaluation, greedy answers to the first held-out prompts (eval.samples), recorded as a progress row
+    {"step", "samples": [{prompt, answer, reference, stopped}], "samples_stop_rate"}. Every process generates (a
+    sharded model needs all of them to); the main one records."""
+
+    def __init__(self, examples: list, tokenizer, renderer, max_new_tokens: int, record):
+        self.examples, self.tokenizer, self.renderer = examples, tokenizer, renderer
+        self.max_new_tokens, self.record = max_new_tokens, record
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        from finetune.chat import Chat
+        from finetune.evaluate import answer_rows
+
+        training = model.training
+        model.eval()
+        try:
+            rows = answer_rows(Chat.of(model, self.tokenizer, self.renderer), self.examples, self.max_new_tokens,
+                               batch_size=len(self.examples))
+        finally:
+            model.train(training)
+        if state.is_world_process_zero:
+            samples = [{key: row[key] for key in ("prompt", "answer", "reference", "stopped")} for row in rows]
+            self.record({"step": state.global_step, "samples": samples,
+                         "samples_stop_rate": sum(row["stopped"] for row in rows) / len(rows)})

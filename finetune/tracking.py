@@ -16,6 +16,7 @@ Nothing else in the trainer knows MLflow exists; only this module imports it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -113,6 +114,9 @@ class MlflowTracking:
         metrics = [Metric(key, float(value), now, row["step"]) for key, value in row.items()
                    if key not in NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool)]
         self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+        if "samples" in row:  # eval.samples: the answers at this evaluation, as an artifact
+            self.client.log_text(self.run_id, json.dumps(row["samples"], indent=1, ensure_ascii=False),
+                                 f"samples/step-{row['step']:06d}.json")
 
     def finish(self, status: str) -> None:
         """Log the run's files, end the MLflow run with the run's status, and say where to look."""

@@ -27,7 +27,7 @@ from finetune.model import load_model, load_tokenizer, model_config, training_pr
 from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, check_free, check_writable
-from finetune.sft_trainer import ProgressCallback, RunTrainer
+from finetune.sft_trainer import ProgressCallback, RunTrainer, SamplesCallback
 from finetune.signals import StopRequest
 from finetune.tracking import MlflowTracking
 from finetune.train_section import check_device_options, trains_on_cpu
@@ -130,9 +130,12 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
             similar_lengths="train_sampling_strategy" not in recipe.train,
             resumed=point.state if point else None,
         )
-        trainer.add_callback(ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens,
-                                              also=tracker.log_row if tracker else None))
-        _log_to_tensorboard(trainer, run_folder, point)
+        progress = ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens,
+                                    also=tracker.log_row if tracker else None)
+        trainer.add_callback(progress)
+        board = _log_to_tensorboard(trainer, run_folder, point)
+        if recipe.eval.samples and data.eval is not None:
+            trainer.add_callback(_samples_callback(recipe, data, tokenizer, progress, board))
         trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
         status = "stopped" if trainer.stopped else "completed"
         final = _save_final(trainer, run_folder, tokenizer, recipe, state)
@@ -167,19 +170,39 @@ def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, no
         print(f"note: {note}", flush=True)
 
 
-def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | None) -> None:
+def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board) -> SamplesCallback:
+    """eval.samples: answers to the first held-out prompts at each evaluation, in progress.jsonl (and so in MLflow)
+    and as TensorBoard text."""
+    from finetune.data.render import Renderer
+    from finetune.evaluate import held_out, samples_markdown
+
+    def record(row: dict) -> None:
+        progress.write(row)
+        if board is not None:
+            board.add_text("samples", samples_markdown(row["samples"]), row["step"])
+            board.add_scalar("eval/samples_stop_rate", row["samples_stop_rate"], row["step"])
+            board.flush()
+
+    renderer = Renderer(tokenizer, tokenizer.chat_template, recipe.data.template_date,
+                        template_kwargs=recipe.data.template_kwargs)
+    return SamplesCallback(held_out(data.eval_examples, recipe.eval.samples), tokenizer, renderer,
+                           recipe.eval.max_new_tokens, record)
+
+
+def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | None):
     """With report_to tensorboard: one log per run, in RUN/tensorboard, that a resumed run continues (the steps
-    after its checkpoint, written before the interruption, are purged)."""
+    after its checkpoint, written before the interruption, are purged). Its writer, or None."""
     from transformers.integrations import TensorBoardCallback
 
     board = next((callback for callback in trainer.callback_handler.callbacks
                   if isinstance(callback, TensorBoardCallback)), None)
     if board is None or board._SummaryWriter is None or not trainer.is_world_process_zero():
-        return
+        return None
     trainer.remove_callback(board)
     writer = board._SummaryWriter(log_dir=str(run_folder.path / "tensorboard"),
                                   purge_step=point.step + 1 if point else None)
     trainer.add_callback(TensorBoardCallback(tb_writer=writer))
+    return writer
 
 
 def _save_final(trainer, run_folder: RunFolder, tokenizer, recipe, state):

@@ -35,6 +35,8 @@ MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
 PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
 MOST_PROCESSES = 8
 PROGRESS_EVERY_S = 5.0
+EVAL_EXAMPLES = "eval_examples.json"  # the first SAMPLE_POOL held-out examples: the prompts of eval.samples
+SAMPLE_POOL = 64
 
 logger = logging.getLogger("finetune")
 
@@ -44,6 +46,7 @@ class PreparedData:
     train: Any  # datasets.Dataset
     eval: Any | None
     report: dict[str, Any]
+    eval_examples: list[dict] = dataclasses.field(default_factory=list)  # the first held-out examples, normalized
 
 
 def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
@@ -136,7 +139,8 @@ def _load(folder: Path) -> PreparedData:
     report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
     train = datasets.load_from_disk(str(folder / "train"))
     evaluation = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
-    return PreparedData(train, evaluation, report)
+    examples = json.loads((folder / EVAL_EXAMPLES).read_text(encoding="utf-8"))
+    return PreparedData(train, evaluation, report, examples)
 
 
 def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_sources) -> None:
@@ -147,10 +151,10 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     bad: list[str] = []
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _Spool(folder.parent) as spool:
-        train_examples, mixture = _mix([_examples([source], data, bad, spool) for source in train_sources],
+        train_examples, mixture = _mix([read_examples([source], data, bad, spool) for source in train_sources],
                                        _as_list(data.train), recipe.train["seed"])
         if eval_sources:
-            eval_examples = _examples(eval_sources, data, bad, spool)
+            eval_examples = read_examples(eval_sources, data, bad, spool)
         else:
             train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
         _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
@@ -189,7 +193,7 @@ def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_exam
     eval_table, eval_stats = _encode(eval_examples, spool, renderer, max_length, bad, too_long,
                                      staging / "eval.arrow", processes, "eval")
     if bad and data.bad_rows == "fail":
-        raise _bad_rows_error(bad)
+        raise bad_rows_error(bad)
     if too_long and data.too_long == "fail":
         raise _listed_rows_error(
             too_long, f"longer than train.max_length ({max_length}) before any token that carries loss",
@@ -215,6 +219,8 @@ def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_exam
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
         table.save_to_disk(str(staging / name))
+    pool = [{"where": where, **spool.get(index)} for where, index in eval_examples[:SAMPLE_POOL]]
+    (staging / EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
     for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
         rows_file.unlink()
     return report
@@ -231,7 +237,7 @@ def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
             [e for i, e in enumerate(examples) if i in held_out])
 
 
-def _bad_rows_error(bad: list[str]) -> UserError:
+def bad_rows_error(bad: list[str]) -> UserError:
     return _listed_rows_error(bad, "bad", "Fix them, or set data.bad_rows=drop to skip them (the count is reported).")
 
 
@@ -270,7 +276,7 @@ class _Spool:
         return pickle.load(self.file)
 
 
-def _examples(source_list, data, bad: list[str], spool: _Spool) -> list[tuple[str, int]]:
+def read_examples(source_list, data, bad: list[str], spool: _Spool) -> list[tuple[str, int]]:
     """(where, index in `spool`) of every usable row, normalized; the others go to `bad` as 'where: reason'."""
     examples = []
     for source in source_list:
