@@ -4,6 +4,7 @@
   and a ChatML chat template, written once as an ordinary Hugging Face folder.
 - `builtin:greetings`: a generated chat dataset of three patterns (greet a name, shout a word, repeat a word) whose
   answers copy from the prompt, so a model that learned it answers prompts it never saw.
+- `builtin:unseen-names`: 200 greetings of names that builtin:greetings never has, to evaluate the quickstart on.
 
 Both are written under $FINETUNE_HOME (default ~/.cache/finetune) and are the same on every machine.
 """
@@ -43,7 +44,7 @@ def resolve_dataset(name: str) -> str:
     """A local JSONL file for `builtin:NAME` datasets, created on first use; other names are returned unchanged."""
     if not is_builtin(name):
         return name
-    builders = {"greetings": _write_greetings}
+    builders = {"greetings": _write_greetings, "unseen-names": _write_unseen_names}
     return str(_materialize(name, builders, "dataset") / "train.jsonl")
 
 
@@ -143,4 +144,20 @@ def _write_greetings(folder: Path, rows: int = 6000) -> None:
             for _ in range(1 if rng.random() < 0.8 else 2):
                 prompt, answer = greeting(rng)
                 turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+            out.write(json.dumps({"messages": turns}) + "\n")
+
+
+def _write_unseen_names(folder: Path, rows: int = 200) -> None:
+    import re
+
+    seen = set(re.findall(r"[a-z]+", Path(resolve_dataset("builtin:greetings")).read_text(encoding="utf-8").lower()))
+    rng, names = random.Random(7), []
+    while len(names) < rows:
+        name = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
+        if name not in seen and name not in names:
+            names.append(name)
+    with open(folder / "train.jsonl", "w", encoding="utf-8") as out:
+        for name in names:
+            turns = [{"role": "user", "content": f"My name is {name.capitalize()}."},
+                     {"role": "assistant", "content": f"Nice to meet you, {name.capitalize()}!"}]
             out.write(json.dumps({"messages": turns}) + "\n")

@@ -234,12 +234,14 @@ def _stable(text: str, final: bool) -> str:
 
 
 def end_token_ids(tokenizer, renderer) -> set[int]:
-    """The tokens that end the model's turn: what the template puts after an assistant turn, the tokenizer's end of
+    """The tokens that end the model's turn: the special token the template puts after an assistant turn (the last
+    trained one; a template whose trained span stops before it, at the text, adds nothing), the tokenizer's end of
     sequence, and GPT-OSS's end-of-reply and tool-call tokens."""
-    ids, labels = renderer.encode({"messages": [{"role": "user", "content": "Hello"},
-                                                {"role": "assistant", "content": "Hi"}]})
+    _, labels = renderer.encode({"messages": [{"role": "user", "content": "Hello"},
+                                              {"role": "assistant", "content": "Hi"}]})
     trained = [label for label in labels if label != -100]
-    ends = {trained[-1]}
+    ends = {trained[-1]} if trained[-1] in tokenizer.all_special_ids or \
+        trained[-1] in tokenizer.get_added_vocab().values() else set()
     if tokenizer.eos_token_id is not None:
         ends.add(tokenizer.eos_token_id)
     vocabulary = tokenizer.get_vocab()

@@ -315,9 +315,8 @@ def eval_command(args) -> int:
     results = evaluate(args.targets, settings, Path(args.out) if args.out else None)
     print(table(results))
     for result in results:
-        if result.answers:
-            shown = result.answers[0]
-            print(f"{result.target}: first answer {shown['answer']!r} (reference {shown['reference']!r})")
+        if result.kept:
+            print(f"{result.target}: answers in {', '.join(map(str, result.kept))}")
     return 0
 
 

@@ -65,6 +65,7 @@ class Result:
     metrics: dict[str, float]
     answers: list[dict] = field(default_factory=list)
     tasks: dict[str, float] = field(default_factory=dict)
+    kept: list[Path] = field(default_factory=list)  # its answers files
 
 
 # Targets and data.
@@ -356,7 +357,7 @@ def evaluate(specs: list[str], settings: Settings, out: Path | None = None, say=
         result = evaluate_one(target, examples, settings)
         say(f"  done in {time.monotonic() - started:.1f}s")
         results.append(result)
-        keep(result, target, settings, out)
+        result.kept = keep(result, target, settings, out)
         gc.collect()
     return results
 
@@ -379,9 +380,10 @@ def evaluate_one(target: Target, examples: list[Example], settings: Settings) ->
     return Result(target.spec, target.label, metrics, answers, tasks)
 
 
-def keep(result: Result, target: Target, settings: Settings, out: Path | None) -> None:
-    """RUN/eval/<label>-<data>.json (+ .answers.jsonl) for targets of a run; <out>/<n>-<label>... as well."""
-    data_name = Path(settings.data).stem if settings.data else "tasks"
+def keep(result: Result, target: Target, settings: Settings, out: Path | None) -> list[Path]:
+    """RUN/eval/<label>-<data>.json and .answers.jsonl for targets of a run, and <out>/<target>.json and
+    .answers.jsonl; the answers files."""
+    data_name = _safe(Path(settings.data).stem) if settings.data else "tasks"
     record = {"target": result.target, "model": result.label, "data": settings.data, "metrics": result.metrics,
               "tasks": result.tasks, "extract": settings.extract, "max_new_tokens": settings.max_new_tokens,
               "examples": len(result.answers), "at": time.time()}
@@ -394,8 +396,8 @@ def keep(result: Result, target: Target, settings: Settings, out: Path | None) -
         stem.parent.mkdir(parents=True, exist_ok=True)
         stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         with open(stem.with_name(stem.name + ".answers.jsonl"), "w", encoding="utf-8") as handle:
-            for answer in result.answers:
-                handle.write(json.dumps(answer, ensure_ascii=False) + "\n")
+            handle.writelines(json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers)
+    return [stem.with_name(stem.name + ".answers.jsonl") for stem in places]
 
 
 def _safe(text: str) -> str:

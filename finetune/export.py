@@ -376,11 +376,10 @@ def evaluation_lines(source: saved_model.SavedModel) -> list[str]:
     lines = ["", "## Evaluation", "", "`finetune eval` on held-out data (greedy answers):", "",
              "| data | metric | this model | base model |", "|---|---|---|---|"]
     for data, record in mine.items():
-        shown = Path(data).name if data else "tasks"
+        shown = f"{Path(data).name} ({record['examples']} examples)" if data else "lm-evaluation-harness"
         for metric, value in {**record["metrics"], **record.get("tasks", {})}.items():
             theirs = {**base.get(data, {}).get("metrics", {}), **base.get(data, {}).get("tasks", {})}.get(metric)
-            lines.append(f"| {shown} ({record['examples']} examples) | {metric} | {shown_value(metric, value)} | "
-                         f"{shown_value(metric, theirs) if theirs is not None else '-'} |")
+            lines.append(f"| {shown} | {metric} | {shown_value(metric, value)} | {shown_value(metric, theirs)} |")
     return lines
 
 

@@ -155,3 +155,22 @@ def equal_batch_runs(tmp_path_factory) -> EqualBatchRuns:
                   "train.per_device_train_batch_size=4", *EQUAL_BATCH_EPOCH)
     assert one.returncode == 0, one.stderr[-3000:]
     return EqualBatchRuns(data, folder / "one", folder / "two", {"one": one.stdout, "two": two.stdout})
+
+
+@dataclass
+class QuickstartWorkspace:
+    folder: Path  # the working directory of the README's quickstart command
+    result: subprocess.CompletedProcess
+
+    @property
+    def run(self) -> Path:
+        return self.folder / "runs" / "quickstart"
+
+
+@pytest.fixture(scope="session")
+def quickstart_workspace(tmp_path_factory) -> QuickstartWorkspace:
+    """The README's quickstart, trained once from an empty working directory: the model that answers names."""
+    folder = tmp_path_factory.mktemp("quickstart")
+    result = subprocess.run([str(Path(sys.executable).parent / "finetune"), "train", "quickstart"], cwd=folder,
+                            capture_output=True, text=True, timeout=900)
+    return QuickstartWorkspace(folder, result)

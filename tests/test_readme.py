@@ -54,10 +54,11 @@ def test_gpu_recipe_commands_name_shipped_recipes_and_configs():
 
 
 @pytest.mark.integration
-def test_quickstart_learns_and_answers_prompts_it_never_saw(tmp_path):
-    """The README's first command, after its install step, from an empty working directory."""
+def test_quickstart_learns_and_answers_prompts_it_never_saw(quickstart_workspace):
+    """The README's first command, after its install step, from an empty working directory (the fixture runs it)."""
     install, quickstart = commands()[0].split(" && ")
-    result = run(quickstart, tmp_path)
+    assert quickstart == "finetune train quickstart"
+    tmp_path, result = quickstart_workspace.folder, quickstart_workspace.result
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "quickstart"
     rows = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
@@ -79,12 +80,40 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(tmp_path):
     answers = generate(run_dir / "final", ["My name is Zorbel.", "Shout plimbo.", "Repeat zendu twice."])
     assert answers == ["Nice to meet you, Zorbel!", "PLIMBO!", "zendu zendu"]
 
+    samples = [row for row in rows if "samples" in row]
+    assert [row["step"] for row in samples] == [row["step"] for row in rows if "eval_loss" in row]
+    assert all(len(row["samples"]) == 4 for row in samples)
+    assert samples[-1]["samples_stop_rate"] == 1.0 and samples[0]["samples_stop_rate"] == 0.0
+    assert all(sample["answer"] == sample["reference"] for sample in samples[-1]["samples"])
+
+    evaluation = run(next(c for c in commands() if c.startswith("finetune eval") and "--data" in c), tmp_path)
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    results = {name: json.loads((run_dir / "eval" / f"{name}-builtin_unseen-names.json").read_text())
+               for name in ("final", "base")}
+    trained, base = results["final"]["metrics"], results["base"]["metrics"]
+    assert results["final"]["examples"] == results["base"]["examples"] == 200
+    assert trained["exact_match"] >= 0.95 and trained["stop_rate"] == 1.0, trained
+    assert base["exact_match"] <= 0.02 and trained["loss"] < 0.1 < 5.0 < base["loss"], base
+    table = evaluation.stdout
+    assert "| metric | runs/quickstart | base:runs/quickstart |" in table
+    assert f"| exact_match | {100 * trained['exact_match']:.1f}% | 0.0% |" in table
+    answers = (run_dir / "eval" / "final-builtin_unseen-names.answers.jsonl").read_text().splitlines()
+    first = json.loads(answers[0])
+    assert len(answers) == 200 and first["prompt"].startswith("My name is ") and first["stopped"] is True
+    tasks = run(next(c for c in commands() if c.startswith("finetune eval") and "--tasks" in c), tmp_path)
+    assert tasks.returncode == 0, tasks.stderr[-3000:]
+    assert json.loads((run_dir / "eval" / "final-tasks.json").read_text())["tasks"][
+        "finetune_greetings/exact_match"] >= 0.8, tasks.stdout
+
     chat = run(next(c for c in commands() if c.startswith("finetune chat")), tmp_path)
     assert chat.returncode == 0 and chat.stdout == "Nice to meet you, Zorbel!\n", chat.stderr[-3000:]
     export = run(next(c for c in commands() if c.startswith("finetune export")), tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     assert "exported the model to exports/quickstart (checked: logits within" in export.stdout
     assert generate(tmp_path / "exports" / "quickstart", ["Shout plimbo."]) == ["PLIMBO!"]  # in bf16
+    card = (tmp_path / "exports" / "quickstart" / "README.md").read_text()
+    assert f"| builtin:unseen-names (200 examples) | exact_match | {100 * trained['exact_match']:.1f}% | 0.0% |" in card
+    assert "| lm-evaluation-harness | finetune_greetings/exact_match |" in card
 
 
 def generate(folder: Path, prompts: list[str]) -> list[str]:

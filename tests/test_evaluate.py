@@ -1,0 +1,132 @@
+"""Evaluation: answer extraction on real GSM8K answers, batched generation equal to one-at-a-time, samples during
+training, and a stop rate that tells a model that never learned its end token from one that did."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, asset, run_cli
+
+
+def test_gsm8k_answers_extract_to_the_number_after_the_marks():
+    from finetune.config import DataSection
+    from finetune.evaluate import extract_answer, load_examples, score_answers
+
+    path = asset("datasets/gsm8k/test.jsonl")
+    examples = load_examples(str(path), DataSection(format="alpaca",
+                                                    columns={"instruction": "question", "output": "answer"}))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(examples) == len(rows) == 1319
+    assert examples[0].prompt["messages"] == [{"role": "user", "content": rows[0]["question"]}]
+    marked = [row["answer"].split("#### ")[-1].replace(",", "") for row in rows]
+    assert [extract_answer(e.reference, "gsm8k") for e in examples] == marked  # 14 of them written 1,450,000
+    assert [extract_answer(e.reference, "last-number") for e in examples] == marked
+
+    # A model that writes the right number its own way scores with last-number, not with the strict #### form.
+    answers = [{"answer": f"So the answer is {int(n):,}.00.", "reference": e.reference, "stopped": True, "tokens": 9}
+               for n, e in zip(marked, examples)]
+    assert score_answers(answers, ["exact_match"], "last-number")["exact_match"] == 1.0
+    assert score_answers(answers, ["exact_match"], "gsm8k")["exact_match"] == 0.0
+    wrong = [{**a, "answer": f"Not {n}: it is {int(n) + 1}."} for n, a in zip(marked, answers)]
+    assert score_answers(wrong, ["exact_match"], "last-number")["exact_match"] == 0.0
+    assert score_answers(wrong, ["contains"], "gsm8k")["contains"] == 1.0  # the right number is in there
+    assert extract_answer("Total: $1,000.50 today", "regex:\\$([\\d,.]+)") == "1,000.50"
+
+
+def test_rouge_and_bleu_come_from_their_libraries():
+    from finetune.evaluate import score_answers
+
+    answers = [{"answer": "the cat sat on the mat", "reference": "the cat sat on the mat", "stopped": True,
+                "tokens": 6},
+               {"answer": "a dog ran", "reference": "the cat sat on the mat", "stopped": False, "tokens": 32}]
+    scores = score_answers(answers, ["rouge_l", "bleu", "contains"], "none")
+    assert answers[0]["rouge_l"] == 1.0 and answers[1]["rouge_l"] == 0.0 and scores["rouge_l"] == 0.5
+    assert 0 < scores["bleu"] < 100 and scores["stop_rate"] == 0.5 and scores["mean_length"] == 19.0
+
+
+@pytest.mark.integration
+def test_batched_answers_are_the_answers_one_at_a_time(quickstart_workspace):
+    from finetune.chat import Chat
+
+    assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
+    chat = Chat(quickstart_workspace.run)
+    prompts = [chat.prompt_ids([{"role": "user", "content": text}]) for text in
+               ["My name is Al.", "Shout kiwi.", "Repeat abcdefgh twice.", "My name is Quentinaxel.", "Hi"] * 4]
+    batched = chat.replies(prompts, max_new_tokens=24, batch_size=16)
+    alone = [chat.replies([prompt], max_new_tokens=24, batch_size=1)[0] for prompt in prompts]
+    assert [(r.answer, r.ended_by, r.token_ids) for r in batched] == [(r.answer, r.ended_by, r.token_ids)
+                                                                       for r in alone]
+    assert batched[1].answer == "KIWI!" and batched[1].ended_by == "<|im_end|>"
+
+
+NO_END_TEMPLATE = "{%- generation -%}{{- message.content -}}{%- endgeneration -%}"
+
+
+@pytest.mark.integration
+def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path):
+    """The same short training twice: once with ChatML as is, once with a template whose trained span (its
+    {% generation %} block) leaves out <|im_end|>, a fault some templates have. Samples at every evaluation show it
+    while training; `finetune eval` measures it after."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from finetune.builtin import resolve_dataset
+
+    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
+    data = tmp_path / "greetings-800.jsonl"
+    data.write_text("\n".join(rows[:800]) + "\n")
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("\n".join(rows[-40:]) + "\n")
+    chatml = (REPO / "finetune" / "templates" / "chatml.jinja").read_text()
+    template = tmp_path / "no-end.jinja"
+    template.write_text(chatml.replace(
+        "{{- message.content -}}",
+        "{%- if message.role == 'assistant' -%}" + NO_END_TEMPLATE + "{%- else -%}{{- message.content -}}{%- endif -%}"))
+    short = [f"data.train={data}", "data.eval_fraction=0.05", "train.max_steps=150", "train.eval_steps=75",
+             "train.save_steps=1000", "train.warmup_steps=10", "train.logging_steps=75"]
+    runs = {"with_end": tmp_path / "with-end", "without_end": tmp_path / "without-end"}
+    trained = run_cli("train", "quickstart", *short, f"output_dir={runs['with_end']}",
+                      "train.report_to=[tensorboard,mlflow]", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'ml.db'}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    trained = run_cli("train", "quickstart", *short, f"output_dir={runs['without_end']}",
+                      f"model.chat_template={template}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+
+    for name, run in runs.items():
+        progress = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+        samples = [row for row in progress if "samples" in row]
+        assert [row["step"] for row in samples] == [0, 75, 150]  # at every evaluation, the start's included
+        assert [len(row["samples"]) for row in samples] == [4, 4, 4]
+        assert samples[0]["samples"][0]["prompt"] == samples[-1]["samples"][0]["prompt"]  # the same prompts
+        assert samples[-1]["samples_stop_rate"] == (1.0 if name == "with_end" else 0.0), samples[-1]
+    board = EventAccumulator(str(runs["with_end"] / "tensorboard"), size_guidance={"tensors": 0})
+    board.Reload()
+    assert [event.step for event in board.Tensors("samples/text_summary")] == [0, 75, 150]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'ml.db'}")
+    mlflow_run = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])[0]
+    assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "samples")] == [
+        "samples/step-000000.json", "samples/step-000075.json", "samples/step-000150.json"]
+    assert [m.value for m in client.get_metric_history(mlflow_run.info.run_id, "samples_stop_rate")][-1] == 1.0
+
+    result = run_cli("eval", str(runs["with_end"]), str(runs["without_end"]), "--data", str(held_out),
+                     "--max-new-tokens", "32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = {name: json.loads((run / "eval" / "final-held-out.json").read_text())["metrics"]
+              for name, run in runs.items()}
+    assert scores["with_end"]["stop_rate"] >= 0.9, scores
+    assert scores["without_end"]["stop_rate"] <= 0.1 and scores["without_end"]["mean_length"] == 32.0, scores
+
+
+def test_eval_refusals_name_what_to_fix(tmp_path):
+    bad = [
+        (["eval", str(tmp_path / "missing"), "--data", "x.jsonl"], "does not exist"),
+        (["eval", str(tmp_path), "--extract", "nearest"], "--extract nearest: choose one of"),
+        (["eval", str(tmp_path), "--columns", "question"], "--columns question: write FIELD=COLUMN"),
+        (["eval", str(tmp_path), "--batch-size", "0"], "must be at least 1"),
+    ]
+    for argv, message in bad:
+        result = run_cli(*argv)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
