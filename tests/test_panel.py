@@ -324,3 +324,33 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
         panel.close()
         subprocess.run(["pkill", "-f", str(workspace)])  # a run left by a failed check would train on for minutes
     assert (ARTIFACTS / "panel-live.png").stat().st_size > 10_000
+
+
+def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_workspace):
+    """The quickstart's workspace in the panel: its Live tab shows the answers of the last two evaluations, and
+    the Evaluate tab puts the trained model beside its base on unseen names."""
+    assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
+    panel = Panel(quickstart_workspace.folder)
+    try:
+        api = panel.client
+        samples = api.predict("quickstart", api_name="/progress")[3]
+        steps = [int(row["step"]) for row in map(json.loads, (quickstart_workspace.run / "progress.jsonl")
+                                                  .read_text().splitlines()) if "samples" in row]
+        assert samples["headers"] == ["prompt", "reference", f"step {steps[-1]}", f"step {steps[-2]}"]
+        assert len(samples["data"]) == 4 and all(row[1] == row[2] for row in samples["data"])
+
+        message, table, answers = api.predict(["quickstart", "base:quickstart"], "builtin:unseen-names",
+                                              ["exact_match", "rouge_l"], 32, 20, api_name="/evaluate")
+        assert message == "Evaluated 2 models on 20 examples."
+        assert table["headers"] == ["metric", "quickstart", "base:quickstart"]
+        rows = {row[0]: row[1:] for row in table["data"]}
+        assert set(rows) == {"loss", "perplexity", "exact_match", "rouge_l", "stop_rate", "mean_length"}
+        assert rows["exact_match"][1] == "0.0%" and float(rows["exact_match"][0].rstrip("%")) >= 90
+        assert rows["stop_rate"] == ["100.0%", "0.0%"]
+        assert answers["headers"] == ["prompt", "reference", "quickstart", "base:quickstart"]
+        first = answers["data"][0]
+        assert first[0].startswith("My name is ") and first[2] == first[1] and first[3].endswith(" …")
+        refused = api.predict(["../x"], "builtin:unseen-names", ["exact_match"], 32, 5, api_name="/evaluate")
+        assert refused[0].startswith("⚠ run name '../x'")
+    finally:
+        panel.close()

@@ -14,6 +14,7 @@ import sys
 import gradio as gr
 import pandas as pd
 
+from finetune.evaluate import DEFAULT_METRICS, METRICS, shown_value
 from finetune.tracking import recorded
 from ui.chat_models import ChatModels
 from ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
@@ -70,6 +71,8 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                                         height=260)
                 lr_plot = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", y_title="learning rate",
                                       y_axis_format=".1e", height=260)
+            samples_view = gr.Dataframe(label="Answers to held-out prompts at the last two evaluations (eval.samples; "
+                                        "… ran to the token limit)", interactive=False, wrap=True)
             log_tail = gr.Code(label="Log", language="shell", interactive=False, lines=12)
 
         with gr.Tab("Runs"):
@@ -91,6 +94,23 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                 base_chat = gr.Chatbot(label="Base model", height=380, visible=False)
             message = gr.Textbox(label="Message", placeholder="Write a message and press Enter")
             chat_notice = gr.Markdown()
+
+        with gr.Tab("Evaluate"):
+            with gr.Row():
+                eval_targets = gr.Dropdown(label="Models (runs, checkpoints, base models)", multiselect=True,
+                                           choices=[], scale=3)
+                eval_data = gr.Dropdown(label="Data (files in data/, or builtin)", choices=workspace.data_names(),
+                                        value=workspace.data_names()[0], scale=2)
+            with gr.Row():
+                eval_metrics = gr.CheckboxGroup(list(METRICS), value=list(DEFAULT_METRICS), label="Metrics")
+                eval_tokens = gr.Slider(16, 1024, value=128, step=16, label="Max new tokens")
+                eval_limit = gr.Number(value=50, precision=0, label="First N examples (0: all)")
+            eval_button = gr.Button("Evaluate", variant="primary")
+            eval_message = gr.Markdown()
+            eval_table = gr.Dataframe(label="Side by side (loss, perplexity and stop rate are always measured)",
+                                      interactive=False)
+            eval_answers = gr.Dataframe(label="Answers, example by example (… ran to the token limit)",
+                                        interactive=False, wrap=True)
 
         with gr.Tab("Export"):
             with gr.Row():
@@ -197,14 +217,15 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
         # Live
         def live(name):
             if not name:
-                return "No run selected.", None, None, ""
+                return "No run selected.", None, None, None, ""
             try:
                 info = workspace.run(name)
             except PanelError as error:
-                return f"⚠ {error}", None, None, ""
+                return f"⚠ {error}", None, None, None, ""
             # float columns even while empty: a plot's first frame fixes its axes' types
             frame = pd.DataFrame(info.train_rows, columns=["step", "loss", "learning_rate"]).astype(float)
-            return _status_card(info), frame, frame, workspace.console_tail(name)
+            return (_status_card(info), frame, frame, pd.DataFrame(info.samples) if info.samples else None,
+                    workspace.console_tail(name))
 
         def stop(name):
             if not name:
@@ -226,7 +247,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             note = f" (unloaded {unloaded} chat model{'s' if unloaded > 1 else ''})" if unloaded else ""
             return _status_card(workspace.run(name)) + f"\n\nResumed from its newest complete checkpoint{note}."
 
-        live_outputs = [live_status, loss_plot, lr_plot, log_tail]
+        live_outputs = [live_status, loss_plot, lr_plot, samples_view, log_tail]
         live_run.change(live, live_run, live_outputs, api_name="progress")
         timer.tick(live, live_run, live_outputs, show_progress="hidden")
         timer.tick(models.release_idle, None, None, show_progress="hidden")
@@ -322,6 +343,24 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             models.release_session(request.session_hash)
 
         app.unload(session_closed)
+
+        # Evaluate
+        def evaluate(targets, data, metrics, max_tokens, limit):
+            yield "Evaluating (the models load in their own process) …", None, None
+            try:
+                table, answers, _ = workspace.evaluate(targets or [], data, metrics or [], max_tokens, limit or None)
+            except PanelError as error:
+                yield f"⚠ {error}", None, None
+                return
+            shown = pd.DataFrame([{"metric": row["metric"], **{target: shown_value(row["metric"], value)
+                                                              for target, value in row.items() if target != "metric"}}
+                                  for row in table])
+            yield f"Evaluated {len(targets)} model{'s' if len(targets) > 1 else ''} on {len(answers)} examples.", \
+                shown, pd.DataFrame(answers)
+
+        eval_button.click(evaluate, [eval_targets, eval_data, eval_metrics, eval_tokens, eval_limit],
+                          [eval_message, eval_table, eval_answers], api_name="evaluate")
+        app.load(lambda: gr.update(choices=workspace.eval_targets()), None, eval_targets)
 
         # Export
         def export(run, checkpoint, name, merged, weights, repo, is_private):

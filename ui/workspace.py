@@ -3,6 +3,8 @@
     WORKSPACE/recipes/     recipes uploaded through the panel (shipped ones come from configs/)
     WORKSPACE/runs/NAME/   run folders, written by the runs themselves (finetune/run_folder.py says what is in them)
     WORKSPACE/exports/     exports
+    WORKSPACE/data/        data files to evaluate on (the Evaluate tab lists them, and builtin:unseen-names)
+    WORKSPACE/.evals/      each evaluation the panel ran: `finetune eval --out`
     WORKSPACE/mlflow.db    MLflow's store, for runs that report to MLflow (artifacts in WORKSPACE/mlartifacts/)
     WORKSPACE/.launches/   one record (NAME.json: command, process group, when its leader started) and console log
                            per launch
@@ -44,6 +46,7 @@ FIELDS = {  # the recipe keys the Train tab edits, by label
 }
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 RAY_PREFIX = "ray:"
 RAY_WORKERS = (2, 4, 8)
 
@@ -64,6 +67,19 @@ class RunInfo:
     @property
     def train_rows(self) -> list[dict]:
         return run_folder.training_rows(self.rows)
+
+    @property
+    def samples(self) -> list[dict]:
+        """The answers to held-out prompts at the last two evaluations (eval.samples): prompt, reference, and the
+        answer at each step, newest first."""
+        evaluations = [row for row in self.rows if "samples" in row][-2:][::-1]
+        table = []
+        for evaluation in evaluations:
+            for index, sample in enumerate(evaluation["samples"]):
+                if index == len(table):
+                    table.append({"prompt": sample["prompt"], "reference": sample["reference"]})
+                table[index][f"step {evaluation['step']}"] = sample["answer"] + ("" if sample["stopped"] else " …")
+        return table
 
     @property
     def last(self) -> dict:
@@ -89,6 +105,8 @@ class Workspace:
         self.runs = self.root / "runs"
         self.exports = self.root / "exports"
         self.launches = self.root / ".launches"
+        self.data = self.root / "data"
+        self.evals = self.root / ".evals"
 
     def create(self) -> None:
         for folder in (self.recipes, self.runs, self.exports, self.launches):
@@ -306,6 +324,67 @@ class Workspace:
         if checkpoint not in self.checkpoints(run):
             raise PanelError(f"run {run!r} has no complete {checkpoint!r}")
         return self.run_folder(run) / checkpoint
+
+    # Evaluation: targets and data by name, `finetune eval` in its own process.
+    def eval_targets(self) -> list[str]:
+        """RUN (its final model), RUN/checkpoint-N and base:RUN for each run with a model."""
+        targets = []
+        for info in self.runs_list():
+            found = self.checkpoints(info.name)
+            targets += [info.name if checkpoint == "final" else f"{info.name}/{checkpoint}" for checkpoint in found]
+            targets += [f"base:{info.name}"] if found else []
+        return targets
+
+    def data_names(self) -> list[str]:
+        files = sorted(path.name for path in self.data.glob("*") if path.suffix in DATA_SUFFIXES)
+        return [*files, "builtin:unseen-names"]
+
+    def evaluate(self, targets: list[str], data: str, metrics: list[str], max_new_tokens: int,
+                 limit: int | None) -> tuple[list[dict], list[dict], str]:
+        """`finetune eval` on the targets: (the table's rows, one per metric with a column per target; the answers
+        side by side, one row per example; its output)."""
+        if not targets:
+            raise PanelError("pick at least one run, checkpoint or base model")
+        if data not in self.data_names():
+            raise PanelError(f"data {data!r}: pick one of {', '.join(self.data_names())}")
+        folders = [self._eval_folder(target) for target in targets]
+        out = self.evals / time.strftime("%Y%m%d-%H%M%S")
+        command = [sys.executable, "-m", "finetune", "eval", *folders,
+                   "--data", data if data.startswith("builtin:") else str(self.data / data),
+                   "--max-new-tokens", str(int(max_new_tokens)), "--out", str(out),
+                   *[option for metric in metrics for option in ("--metric", metric)],
+                   *(["--limit", str(int(limit))] if limit else [])]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=self.root)
+        output = (result.stdout + result.stderr).strip()
+        if result.returncode != 0:
+            raise PanelError(output.splitlines()[-1] if output else f"finetune eval: exit status {result.returncode}")
+        records = {json.loads(path.read_text(encoding="utf-8"))["target"]: path
+                   for path in out.glob("*.json")}
+        table, answers = [], []
+        for target, folder in zip(targets, folders):
+            record = json.loads(records[folder].read_text(encoding="utf-8"))
+            for metric, value in record["metrics"].items():
+                row = next((r for r in table if r["metric"] == metric), None)
+                if row is None:
+                    table.append(row := {"metric": metric})
+                row[target] = value
+            lines = records[folder].with_name(records[folder].stem + ".answers.jsonl").read_text(encoding="utf-8")
+            for index, line in enumerate(lines.splitlines()):
+                answer = json.loads(line)
+                if index == len(answers):
+                    answers.append({"prompt": answer["prompt"], "reference": answer["reference"]})
+                answers[index][target] = answer["answer"] + ("" if answer["stopped"] else " …")
+        return table, answers, output
+
+    def _eval_folder(self, target: str) -> str:
+        """The `finetune eval` target of a panel target: its model folder, or base: and any model of the run."""
+        base = target.startswith("base:")
+        run, _, checkpoint = target.removeprefix("base:").partition("/")
+        found = self.checkpoints(run)
+        if not found:
+            raise PanelError(f"run {run!r} has no model yet")
+        folder = self.model_folder(run, found[0] if base else checkpoint or "final")
+        return ("base:" if base else "") + str(folder)
 
     def _launch_record(self, name: str) -> dict | None:
         path = self.launches / f"{check_name(name, 'run name')}.json"
