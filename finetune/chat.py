@@ -237,11 +237,13 @@ def end_token_ids(tokenizer, renderer) -> set[int]:
     """The tokens that end the model's turn: the special token the template puts after an assistant turn (the last
     trained one; a template whose trained span stops before it, at the text, adds nothing), the tokenizer's end of
     sequence, and GPT-OSS's end-of-reply and tool-call tokens."""
-    _, labels = renderer.encode({"messages": [{"role": "user", "content": "Hello"},
-                                              {"role": "assistant", "content": "Hi"}]})
-    trained = [label for label in labels if label != -100]
-    ends = {trained[-1]} if trained[-1] in tokenizer.all_special_ids or \
-        trained[-1] in tokenizer.get_added_vocab().values() else set()
+    ends = set()
+    if renderer.template is not None:  # without one, the model was trained on text that ends with eos
+        _, labels = renderer.encode({"messages": [{"role": "user", "content": "Hello"},
+                                                  {"role": "assistant", "content": "Hi"}]})
+        last = [label for label in labels if label != -100][-1]
+        if last in tokenizer.all_special_ids or last in tokenizer.get_added_vocab().values():
+            ends.add(last)
     if tokenizer.eos_token_id is not None:
         ends.add(tokenizer.eos_token_id)
     vocabulary = tokenizer.get_vocab()

@@ -362,9 +362,6 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
     if recipe.eval.samples < 0 or recipe.eval.max_new_tokens < 1:
         key = "eval.samples" if recipe.eval.samples < 0 else "eval.max_new_tokens"
         raise UserError(f"{origin(key)}: {key} must be {'at least 0' if key == 'eval.samples' else 'at least 1'}")
-    if recipe.eval.samples and not (recipe.data.eval or recipe.data.eval_fraction):
-        raise UserError(f"{origin('eval.samples')}: eval.samples answers held-out prompts, and there are none: set "
-                        "data.eval or data.eval_fraction")
     try:
         from datetime import date
 

@@ -105,10 +105,24 @@ def load_examples(spec: str, data_section, limit: int | None = None) -> list[Exa
     return examples[:limit] if limit else examples
 
 
-def held_out(pool: list[dict], count: int) -> list[Example]:
-    """The first `count` examples with a prompt of the eval split's first ones (PreparedData.eval_examples)."""
-    examples = [split_example(entry["where"], {k: v for k, v in entry.items() if k != "where"}) for entry in pool]
-    return [example for example in examples if example.prompt is not None][:count]
+def held_out(pool: list[dict], count: int, renderer) -> list[Example]:
+    """The first `count` examples of the eval split's first ones (PreparedData.eval_examples) that have a prompt
+    the template renders (a bad row that was dropped has none)."""
+    from finetune.data.formats import BadRow
+
+    chosen = []
+    for entry in pool:
+        example = split_example(entry["where"], {k: v for k, v in entry.items() if k != "where"})
+        if example.prompt is None:
+            continue
+        try:
+            prompt_ids(example, renderer)
+        except BadRow:
+            continue
+        chosen.append(example)
+        if len(chosen) == count:
+            break
+    return chosen
 
 
 def split_example(where: str, example: dict) -> Example:
@@ -217,8 +231,15 @@ def score_answers(answers: list[dict], metrics: list[str], extract: str) -> dict
 
 def answer_rows(chat, examples: list[Example], max_new_tokens: int, batch_size: int) -> list[dict]:
     """Each example with a prompt, answered: prompt (as text), answer, reference, stopped, tokens."""
+    from finetune.data.formats import BadRow
+
     asked = [e for e in examples if e.prompt is not None]
-    ids = [prompt_ids(e, chat.renderer) for e in asked]
+    ids = []
+    for example in asked:
+        try:
+            ids.append(prompt_ids(example, chat.renderer))
+        except BadRow as error:
+            raise UserError(f"{example.where}: {error}") from None
     replies = chat.replies(ids, max_new_tokens, batch_size)
     rows = []
     for example, prompt, reply in zip(asked, ids, replies):

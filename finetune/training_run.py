@@ -134,8 +134,12 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
                                     also=tracker.log_row if tracker else None)
         trainer.add_callback(progress)
         board = _log_to_tensorboard(trainer, run_folder, point)
-        if recipe.eval.samples and data.eval is not None:
-            trainer.add_callback(_samples_callback(recipe, data, tokenizer, progress, board))
+        samples = _samples_callback(recipe, data, tokenizer, progress, board) if recipe.eval.samples else None
+        if samples:
+            trainer.add_callback(samples)
+        elif recipe.eval.samples and state.is_main_process:
+            print("note: eval.samples answers held-out prompts, and this run holds none out that the chat template "
+                  "renders (data.eval, data.eval_fraction): no samples", flush=True)
         trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
         status = "stopped" if trainer.stopped else "completed"
         final = _save_final(trainer, run_folder, tokenizer, recipe, state)
@@ -170,9 +174,9 @@ def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, no
         print(f"note: {note}", flush=True)
 
 
-def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board) -> SamplesCallback:
+def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board) -> SamplesCallback | None:
     """eval.samples: answers to the first held-out prompts at each evaluation, in progress.jsonl (and so in MLflow)
-    and as TensorBoard text."""
+    and as TensorBoard text; None without such prompts."""
     from finetune.data.render import Renderer
     from finetune.evaluate import held_out, samples_markdown
 
@@ -185,8 +189,8 @@ def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board
 
     renderer = Renderer(tokenizer, tokenizer.chat_template, recipe.data.template_date,
                         template_kwargs=recipe.data.template_kwargs)
-    return SamplesCallback(held_out(data.eval_examples, recipe.eval.samples), tokenizer, renderer,
-                           recipe.eval.max_new_tokens, record)
+    examples = held_out(data.eval_examples, recipe.eval.samples, renderer) if data.eval is not None else []
+    return SamplesCallback(examples, tokenizer, renderer, recipe.eval.max_new_tokens, record) if examples else None
 
 
 def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | None):

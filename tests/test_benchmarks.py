@@ -45,3 +45,19 @@ def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
     [case] = json.loads(out.read_text())
     assert case["planned"] > 0 and case["measured"] > 0 and case["off"] == (case["planned"] - case["measured"]) / \
         case["measured"]
+
+
+def test_generation_script_gives_the_same_answers_batched(tmp_path):
+    asset("tokenizers/llama-3.2-instruct")
+    asset("datasets/gsm8k/train.jsonl")
+    out = tmp_path / "generation.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--size", "tiny", "--prompts", "6",
+         "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["same_answers"] is True and results["generated_tokens"] == 6 * 8
+    assert results["speedup"] == pytest.approx(results["one_at_a_time_s"] / results["batch_4_s"], abs=0.02)
+    assert f"speedup: {results['one_at_a_time_s']:.2f} / {results['batch_4_s']:.2f}" in result.stdout

@@ -189,6 +189,43 @@ def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_t
     assert (out / "chat_template.jinja").read_text() == (run / "final" / "chat_template.jinja").read_text()
 
 
+def test_llama_export_keeps_the_base_end_tokens_and_never_shows_the_base_path(trained, models, tmp_path,
+                                                                              llama_tokenizer):
+    """Llama 3.2 ends a turn with <|eot_id|>, a tool call with <|eom_id|>, a text with <|end_of_text|>: the
+    export's generation config keeps all three. The base is a local folder of unknown origin: the card says so."""
+    run = trained("llama", "lora")
+    out = tmp_path / "export"
+    assert run_cli("export", str(run / "final"), "--out", str(out)).returncode == 0
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [128001, 128008, 128009]
+    assert llama_tokenizer.convert_ids_to_tokens(generation["eos_token_id"]) == [
+        "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+    card = (out / "README.md").read_text()
+    assert str(models["llama"]) not in card and str(models["llama"].name) not in card
+    assert "A LoRA fine-tune of a local model" in card and "| base model | a local model |" in card
+    assert "base_model:" not in card.split("---")[1] and 'from_pretrained("BASE"' in card
+
+
+def test_a_local_base_is_named_by_its_hub_origin(tmp_path):
+    from finetune.export import base_origin
+
+    cached = tmp_path / "hub" / "models--meta-llama--Llama-3.2-3B-Instruct" / "snapshots" / "abc123"
+    cached.mkdir(parents=True)
+    carded = tmp_path / "carded"
+    carded.mkdir()
+    (carded / "README.md").write_text("---\nbase_model: meta-llama/Llama-3.2-1B\nlicense: llama3.2\n---\n# A copy\n")
+    configured = tmp_path / "configured"
+    configured.mkdir()
+    (configured / "config.json").write_text(json.dumps({"_name_or_path": "openai/gpt-oss-20b"}))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"_name_or_path": str(unknown)}))
+    assert [base_origin(str(path)) for path in (cached, carded, configured, unknown)] == [
+        "meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B", "openai/gpt-oss-20b", None]
+    assert base_origin("meta-llama/Llama-3.2-3B-Instruct") == "meta-llama/Llama-3.2-3B-Instruct"
+    assert base_origin("builtin:tiny-llama") == "builtin:tiny-llama"
+
+
 def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path):
     """Rounding to bf16 can flip the router's choice at a near tie and move one position's logits far; the check
     tolerates a few such positions, not a broken export."""

@@ -351,6 +351,6 @@ def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_worksp
         first = answers["data"][0]
         assert first[0].startswith("My name is ") and first[2] == first[1] and first[3].endswith(" …")
         refused = api.predict(["../x"], "builtin:unseen-names", ["exact_match"], 32, 5, api_name="/evaluate")
-        assert refused[0].startswith("⚠ run name '../x'")
+        assert refused[0].startswith("⚠ run name '..': use letters")
     finally:
         panel.close()

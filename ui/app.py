@@ -98,7 +98,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
         with gr.Tab("Evaluate"):
             with gr.Row():
                 eval_targets = gr.Dropdown(label="Models (runs, checkpoints, base models)", multiselect=True,
-                                           choices=[], scale=3)
+                                           choices=[], allow_custom_value=True, scale=3)
                 eval_data = gr.Dropdown(label="Data (files in data/, or builtin)", choices=workspace.data_names(),
                                         value=workspace.data_names()[0], scale=2)
             with gr.Row():
@@ -361,6 +361,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
         eval_button.click(evaluate, [eval_targets, eval_data, eval_metrics, eval_tokens, eval_limit],
                           [eval_message, eval_table, eval_answers], api_name="evaluate")
         app.load(lambda: gr.update(choices=workspace.eval_targets()), None, eval_targets)
+        timer.tick(lambda: gr.update(choices=workspace.eval_targets()), None, eval_targets, show_progress="hidden")
 
         # Export
         def export(run, checkpoint, name, merged, weights, repo, is_private):
