@@ -4,6 +4,8 @@ training, and a stop rate that tells a model that never learned its end token fr
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,37 @@ def test_eval_refusals_name_what_to_fix(tmp_path):
     for argv, message in bad:
         result = run_cli(*argv)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.integration
+def test_evaluation_never_holds_the_logits_of_the_eval_set(tiny_models, llama_tokenizer, tmp_path):
+    """128 GSM8K conversations of about 200 tokens with Llama 3.2's 128,256-token vocabulary: their logits in fp32
+    would be over 12 GiB. Training's evaluation (TRL's chunked loss) and `finetune eval` (chunks of 256 tokens) each stay
+    far below that."""
+    gsm8k = [json.loads(line) for line in asset("datasets/gsm8k/train.jsonl").read_text().splitlines()[:144]]
+    rows = [json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                     {"role": "assistant", "content": r["answer"]}]}) for r in gsm8k]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows[:16]) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[16:]) + "\n")
+    run = tmp_path / "run"
+    result = run_cli("train", "quickstart", f"model.name_or_path={tiny_models['llama']}", "method=lora",
+                     f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}",
+                     "data.eval_fraction=0", "train.max_steps=1", "train.max_length=512", "train.packing=false",
+                     "eval.samples=0", f"output_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+    evaluated = [row for row in progress if "eval_loss" in row]
+    assert evaluated and max(row["peak_memory_gb"] for row in evaluated) < 3.0, evaluated
+
+    measured = subprocess.run(
+        [sys.executable, "-c", "import resource, subprocess, sys; "
+         "code = subprocess.run(sys.argv[1:]).returncode; "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)",
+         sys.executable, "-m", "finetune", "eval", str(run), "--data", str(tmp_path / "eval.jsonl"),
+         "--max-new-tokens", "1"], capture_output=True, text=True, timeout=900)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    tokens = sum(len(llama_tokenizer.apply_chat_template(json.loads(row)["messages"], return_dict=True)["input_ids"])
+                 for row in rows[16:])
+    assert tokens * 128256 * 4 > 12 * 2**30
+    assert int(measured.stdout.splitlines()[-1]) / 2**20 < 3.0  # peak resident memory in GiB (ru_maxrss: KiB)
+    assert json.loads((run / "eval" / "final-eval.json").read_text())["metrics"]["loss"] > 0
