@@ -155,9 +155,12 @@ class Chat:
         *_, whole = self.stream(messages, sampling)
         return whole
 
-    def replies(self, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16) -> list[Reply]:
+    def replies(self, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16,
+                synced: bool = False) -> list[Reply]:
         """Greedy replies to prompts (token ids, e.g. from `prompt_ids`), `batch_size` at a time: left-padded
-        batches through generate with its KV cache, each reply ending at the model's end tokens as in `stream`."""
+        batches through generate with its KV cache, each reply ending at the model's end tokens as in `stream`.
+        `synced`: every process of a process group generates, and each goes on until all are done (a sharded
+        model gathers its weights in every forward, on every process)."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -181,7 +184,7 @@ class Chat:
             with torch.inference_mode():
                 output = self.model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                    eos_token_id=sorted(self.end_ids), pad_token_id=pad, use_cache=True,
+                    eos_token_id=sorted(self.end_ids), pad_token_id=pad, use_cache=True, synced_gpus=synced,
                     stopping_criteria=StoppingCriteriaList([FinalMessageEnd(width)] if self.harmony else []),
                 )
             for row in output[:, width:].tolist():

@@ -229,8 +229,10 @@ def score_answers(answers: list[dict], metrics: list[str], extract: str) -> dict
     return summary
 
 
-def answer_rows(chat, examples: list[Example], max_new_tokens: int, batch_size: int) -> list[dict]:
-    """Each example with a prompt, answered: prompt (as text), answer, reference, stopped, tokens."""
+def answer_rows(chat, examples: list[Example], max_new_tokens: int, batch_size: int,
+                synced: bool = False) -> list[dict]:
+    """Each example with a prompt, answered: prompt (as text), answer, reference, stopped, tokens. `synced`: as
+    Chat.replies."""
     from finetune.data.formats import BadRow
 
     asked = [e for e in examples if e.prompt is not None]
@@ -240,7 +242,7 @@ def answer_rows(chat, examples: list[Example], max_new_tokens: int, batch_size: 
             ids.append(prompt_ids(example, chat.renderer))
         except BadRow as error:
             raise UserError(f"{example.where}: {error}") from None
-    replies = chat.replies(ids, max_new_tokens, batch_size)
+    replies = chat.replies(ids, max_new_tokens, batch_size, synced)
     rows = []
     for example, prompt, reply in zip(asked, ids, replies):
         generated = len(reply.token_ids) - (reply.ended_by is not None)

@@ -294,7 +294,7 @@ class SamplesCallback(TrainerCallback):
         model.eval()
         try:
             rows = answer_rows(Chat.of(model, self.tokenizer, self.renderer), self.examples, self.max_new_tokens,
-                               batch_size=len(self.examples))
+                               batch_size=len(self.examples), synced=args.world_size > 1)
         finally:
             model.train(training)
         if state.is_world_process_zero:

@@ -137,8 +137,8 @@ def test_eval_refusals_name_what_to_fix(tmp_path):
 @pytest.mark.integration
 def test_evaluation_never_holds_the_logits_of_the_eval_set(tiny_models, llama_tokenizer, tmp_path):
     """128 GSM8K conversations of about 200 tokens with Llama 3.2's 128,256-token vocabulary: their logits in fp32
-    would be over 12 GiB. Training's evaluation (TRL's chunked loss) and `finetune eval` (chunks of 256 tokens) each stay
-    far below that."""
+    would be over 12 GiB. Training's evaluation (TRL's chunked loss), here in one batch, and `finetune eval` (chunks
+    of 256 tokens) each stay far below that, and find the same loss."""
     gsm8k = [json.loads(line) for line in asset("datasets/gsm8k/train.jsonl").read_text().splitlines()[:144]]
     rows = [json.dumps({"messages": [{"role": "user", "content": r["question"]},
                                      {"role": "assistant", "content": r["answer"]}]}) for r in gsm8k]
@@ -148,7 +148,8 @@ def test_evaluation_never_holds_the_logits_of_the_eval_set(tiny_models, llama_to
     result = run_cli("train", "quickstart", f"model.name_or_path={tiny_models['llama']}", "method=lora",
                      f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}",
                      "data.eval_fraction=0", "train.max_steps=1", "train.max_length=512", "train.packing=false",
-                     "eval.samples=0", f"output_dir={run}")
+                     "train.eval_strategy=steps", "train.eval_steps=1", "train.eval_on_start=false",
+                     "train.per_device_eval_batch_size=128", "eval.samples=0", f"output_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     progress = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
     evaluated = [row for row in progress if "eval_loss" in row]
@@ -165,4 +166,7 @@ def test_evaluation_never_holds_the_logits_of_the_eval_set(tiny_models, llama_to
                  for row in rows[16:])
     assert tokens * 128256 * 4 > 12 * 2**30
     assert int(measured.stdout.splitlines()[-1]) / 2**20 < 3.0  # peak resident memory in GiB (ru_maxrss: KiB)
-    assert json.loads((run / "eval" / "final-eval.json").read_text())["metrics"]["loss"] > 0
+    # The same data, masks and model (final/ is step 1) as training's one-batch evaluation: the same loss.
+    [last] = evaluated
+    assert json.loads((run / "eval" / "final-eval.json").read_text())["metrics"]["loss"] == pytest.approx(
+        last["eval_loss"], rel=1e-4)

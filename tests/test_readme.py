@@ -111,6 +111,11 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(quickstart_workspace
     assert export.returncode == 0, export.stderr[-3000:]
     assert "exported the model to exports/quickstart (checked: logits within" in export.stdout
     assert generate(tmp_path / "exports" / "quickstart", ["Shout plimbo."]) == ["PLIMBO!"]  # in bf16
+    exported = subprocess.run([FINETUNE, "eval", "exports/quickstart", "--data", "builtin:unseen-names", "--limit", "20",
+                               "--out", "evals"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert json.loads((tmp_path / "evals" / "exports_quickstart.json").read_text())["metrics"]["exact_match"] >= 0.9
+    assert len((tmp_path / "evals" / "exports_quickstart.answers.jsonl").read_text().splitlines()) == 20
     card = (tmp_path / "exports" / "quickstart" / "README.md").read_text()
     assert f"| builtin:unseen-names (200 examples) | exact_match | {100 * trained['exact_match']:.1f}% | 0.0% |" in card
     assert "| lm-evaluation-harness | finetune_greetings/exact_match |" in card

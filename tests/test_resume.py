@@ -55,13 +55,24 @@ def kill_at_fault(process: subprocess.Popen, run: Path) -> None:
         assert process.poll() is None, process.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "the fault was never reached"
         time.sleep(0.2)
-    ready.unlink()
-    for pid in [process.pid, *process_tree(process.pid)]:
+    pids = [process.pid, *process_tree(process.pid)]
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     process.wait(timeout=60)
+    while any(alive(pid) for pid in pids[1:]):
+        time.sleep(0.1)
+    ready.unlink()  # only now: every process held at the fault writes the file, not only the first one
+
+
+def alive(pid: int) -> bool:
+    """Still running (a zombie, which nothing may reap in a container, has stopped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def finish(process: subprocess.Popen) -> str:
