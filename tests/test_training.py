@@ -146,7 +146,7 @@ def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_regist
     assert tracked.data.params["model.name_or_path"] == "builtin:tiny-llama"
     rows = progress(run)
     for metric in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "trained_tokens", "peak_memory_gb",
-                   "eval_loss", "eval_mean_token_accuracy"):
+                   "eval_loss", "eval_mean_token_accuracy", "samples_stop_rate"):
         history = client.get_metric_history(tracked.info.run_id, metric)
         expected = [(row["step"], row[metric]) for row in rows if metric in row]
         logged = sorted((point.step, point.value) for point in history)
@@ -154,7 +154,9 @@ def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_regist
         assert [value for _, value in logged] == pytest.approx([value for _, value in expected]), metric
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5, 6]
     artifacts = {item.path for item in client.list_artifacts(tracked.info.run_id)}
-    assert artifacts == {"finetune.yaml", "progress.jsonl", "model"}
+    assert artifacts == {"finetune.yaml", "progress.jsonl", "model", "samples"}
+    assert [item.path for item in client.list_artifacts(tracked.info.run_id, "samples")] == [
+        f"samples/step-00000{step}.json" for step in (2, 4, 6)]  # the quickstart's eval.samples, at each evaluation
     model = {item.path for item in client.list_artifacts(tracked.info.run_id, "model")}
     assert {"model/adapter_model.safetensors", "model/README.md", "model/finetune.yaml"} <= model
 
