@@ -155,8 +155,10 @@ def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_regist
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5, 6]
     artifacts = {item.path for item in client.list_artifacts(tracked.info.run_id)}
     assert artifacts == {"finetune.yaml", "progress.jsonl", "model", "samples"}
+    evaluated = [row["step"] for row in rows if "eval_loss" in row]
+    assert [row["step"] for row in rows if "samples" in row] == evaluated  # the quickstart's eval.samples
     assert [item.path for item in client.list_artifacts(tracked.info.run_id, "samples")] == [
-        f"samples/step-00000{step}.json" for step in (2, 4, 6)]  # the quickstart's eval.samples, at each evaluation
+        f"samples/step-{step:06d}.json" for step in evaluated]
     model = {item.path for item in client.list_artifacts(tracked.info.run_id, "model")}
     assert {"model/adapter_model.safetensors", "model/README.md", "model/finetune.yaml"} <= model
 
