@@ -1,4 +1,6 @@
-"""The `finetune` command. Heavy libraries load inside the commands, so `finetune --help` is instant."""
+"""The `finetune` command: its options and the recipe commands (train, validate, estimate, doctor); the commands on
+trained models (chat, eval, export, ui) are in model_commands.py. Heavy libraries load inside the commands, so
+`finetune --help` is instant."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import os
 import sys
 
 from finetune.errors import UserError
-from finetune.evaluate import DEFAULT_METRICS, METRICS  # light: its heavy imports are inside its functions
+from finetune.evaluate import METRICS  # light: its heavy imports are inside its functions
+from finetune.model_commands import chat_command, eval_command, export_command, ui_command
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
 OVERRIDES_HELP = "settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8)"
@@ -191,144 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed beyond 127.0.0.1)")
     ui.set_defaults(command=ui_command)
     return parser
-
-
-def ui_command(args) -> int:
-    loopback = args.host in ("127.0.0.1", "localhost", "::1")
-    if (args.share or not loopback) and not args.auth:
-        where = "--share" if args.share else f"--host {args.host}"
-        raise UserError(f"{where} makes the panel reachable from other machines, and it can start processes: "
-                        "add --auth USER:PASSWORD, or keep the default host 127.0.0.1")
-    auth = None
-    if args.auth:
-        user, sep, password = args.auth.partition(":")
-        if not sep or not user or not password:
-            raise UserError("--auth: write it USER:PASSWORD")
-        auth = (user, password)
-    try:
-        from ui.app import CSS, build_app
-    except ImportError as error:
-        raise UserError(f"the panel needs its extra ({error.name} is missing): pip install -e \".[ui]\"") from None
-    from ui.workspace import Workspace
-
-    workspace = Workspace(args.workspace)
-    workspace.create()
-    print(f"finetune panel: workspace {workspace.root}", flush=True)
-    build_app(workspace).queue().launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-                                        css=CSS, footer_links=[])
-    return 0
-
-
-def chat_command(args) -> int:
-    from finetune.chat import Chat, Piece, Sampling
-
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")
-    _quiet_loading()
-    chat = Chat(args.path, args.base_model)
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    if args.prompt is not None:
-        for piece in chat.stream([*system, {"role": "user", "content": args.prompt}], sampling):
-            if isinstance(piece, Piece) and piece.kind == "answer":
-                print(piece.text, end="", flush=True)
-        print()
-        return 0
-    print(f"chatting with {chat.folder.path}; /reset clears the history, /exit or Ctrl-D quits", flush=True)
-    history: list[dict] = []
-    while True:
-        try:
-            text = input("\nyou> ")
-        except EOFError:
-            print()
-            return 0
-        if text.strip() in ("/exit", "/quit"):
-            return 0
-        if text.strip() == "/reset":
-            history = []
-            continue
-        history.append({"role": "user", "content": text})
-        shown = None
-        for piece in chat.stream([*system, *history], sampling):
-            if isinstance(piece, Piece):
-                if piece.kind != shown:
-                    print("\nreasoning> " if piece.kind == "thinking" else "\nassistant> ", end="")
-                    shown = piece.kind
-                print(_dim(piece.text) if piece.kind == "thinking" else piece.text, end="", flush=True)
-            else:
-                turn = {"role": "assistant", "content": piece.answer}
-                if piece.thinking:
-                    turn["thinking"] = piece.thinking
-                history.append(turn)
-                if piece.ended_by is None:
-                    print(f"\n[cut at --max-new-tokens {args.max_new_tokens}]", end="")
-        print(flush=True)
-
-
-def export_command(args) -> int:
-    from finetune import saved_model
-    from finetune.export import export
-
-    if args.private and not args.push_to_hub:
-        raise UserError("--private applies to --push-to-hub REPO, which is missing")
-    run = saved_model.locate(args.path).run
-    if args.register:
-        from finetune.tracking import check_store
-
-        check_store(run or args.out, None, "--register")
-    _quiet_loading()
-    result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
-                    push_to_hub=args.push_to_hub, private=args.private, gguf=args.gguf, license=args.license)
-    check = ("logits identical to the trained model's" if result.tolerance == 0 else
-             f"logits within {result.tolerance:g} of the largest at {result.positions_within} of "
-             f"{result.positions} positions, largest difference {result.max_difference:.2g}")
-    print(f"exported the {result.what} to {result.folder} (checked: {check})")
-    if result.gguf:
-        print(f"gguf: {result.gguf}")
-    if result.url:
-        print(f"pushed: {result.url}")
-    if args.register:
-        from finetune.tracking import open_command, register
-
-        version, uri = register(result.folder, args.register, run)
-        print(f"registered: {args.register} version {version} in {uri} (open it with: {open_command(uri)})")
-    return 0
-
-
-def eval_command(args) -> int:
-    from pathlib import Path
-
-    from finetune.evaluate import Settings, evaluate, table
-
-    if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        raise UserError("--max-new-tokens, --batch-size and --limit must be at least 1")
-    columns = {}
-    for item in args.columns:
-        name, sep, column = item.partition("=")
-        if not sep or not name or not column:
-            raise UserError(f"--columns {item}: write FIELD=COLUMN, e.g. instruction=question")
-        columns[name] = column
-    settings = Settings(args.data, args.metric or list(DEFAULT_METRICS), args.extract, args.max_new_tokens,
-                        args.batch_size, args.limit, [t.strip() for t in (args.tasks or "").split(",") if t.strip()],
-                        args.include_tasks, args.format, columns)
-    _quiet_loading()
-    results = evaluate(args.targets, settings, Path(args.out) if args.out else None)
-    print(table(results))
-    for result in results:
-        if result.kept:
-            print(f"{result.target}: answers in {', '.join(map(str, result.kept))}")
-    return 0
-
-
-def _quiet_loading() -> None:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def _dim(text: str) -> str:
-    return f"\033[2m{text}\033[0m" if sys.stdout.isatty() else text
 
 
 def doctor_command(args) -> int:
