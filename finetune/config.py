@@ -1,11 +1,13 @@
 """The recipe: one typed configuration tree loaded from YAML, with `key.sub=value` overrides.
 
+    stage:    sft | dpo | kto | grpo: which of TRL's trainers (stages.py); sft by default
     model:    what to load (ModelSection)
     method:   lora | qlora | full
     lora:     the adapter (LoraSection), for lora and qlora
     data:     what to train on and how to render it (DataSection)
-    train:    any field of TRL's SFTConfig (learning_rate, num_train_epochs, ...) over the toolkit's defaults,
-              checked in train_section.py
+    train:    any training argument of the stage's TRL config (learning_rate, num_train_epochs, ...; for sft every
+              SFTConfig field) over the toolkit's defaults, checked in train_section.py
+    dpo, kto, grpo: the stage's own settings (DPOConfig's beta, loss_type, ...; grpo.rewards), for that stage
     eval:     what evaluations show besides the loss: answers to held-out prompts (EvalSection)
     mlflow:   where and how runs that report to MLflow are tracked (MlflowSection)
     output_dir: the run folder
@@ -27,7 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
-from finetune import tracking, train_section
+from finetune import stages, tracking, train_section
 from finetune.errors import UserError
 from finetune.resources import find_recipe
 from finetune.typecheck import coerce
@@ -54,6 +56,11 @@ class ModelSection:
     trust_remote_code: bool = False
     chat_template: str | None = field(
         default=None, metadata={"help": "Path to a .jinja chat template; default: the tokenizer's own."}
+    )
+    adapter: str | None = field(
+        default=None, metadata={"help": "Continue training this LoRA adapter: a run folder (its final/), one of its "
+                                        "checkpoints, or an adapter folder; e.g. DPO after SFT. name_or_path "
+                                        "defaults to the adapter's base model."}
     )
 
 
@@ -85,7 +92,10 @@ class DataSection:
     )
     eval: str | list[str] | None = field(default=None, metadata={"help": "Like train; or use eval_fraction."})
     eval_fraction: float = field(default=0.0, metadata={"help": "Share of train rows held out for evaluation."})
-    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text"] = "auto"
+    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text", "preference",
+                    "sharegpt_preference", "hh", "kto"] = field(
+        default="auto", metadata={"help": "auto detects it from the fields; preference, sharegpt_preference, hh and "
+                                          "kto are for stages dpo and kto."})
     columns: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "Map the format's field names to your columns, e.g. {instruction: question}."},
@@ -152,38 +162,49 @@ class MlflowSection:
 
 @dataclass
 class Recipe:
+    stage: Literal["sft", "dpo", "kto", "grpo"] = field(
+        default="sft", metadata={"help": "sft (supervised), dpo or kto (preferences), grpo (rewards)."}
+    )
     model: ModelSection = field(default_factory=ModelSection)
     method: Method = field(default="lora", metadata={"help": "lora, qlora (LoRA on a 4-bit base) or full."})
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     train: dict[str, Any] = field(default_factory=dict, metadata={"help": "Fields of TRL's SFTConfig."})
+    dpo: dict[str, Any] = field(default_factory=dict, metadata={"help": "DPOConfig's own fields (stage dpo)."})
+    kto: dict[str, Any] = field(default_factory=dict, metadata={"help": "KTOConfig's own fields (stage kto)."})
+    grpo: dict[str, Any] = field(default_factory=dict, metadata={"help": "GRPOConfig's own fields and rewards "
+                                                                         "(stage grpo)."})
     eval: EvalSection = field(default_factory=EvalSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
     output_dir: str | None = field(default=None, metadata={"help": "Run folder; default runs/<recipe name>."})
 
     def to_dict(self) -> dict[str, Any]:
         resolved = dataclasses.asdict(self)
-        if self.method == "full":
-            del resolved["lora"]  # no adapter: its settings would only mislead
+        if self.method == "full" or self.model.adapter:
+            del resolved["lora"]  # no new adapter: its settings would only mislead
+        for stage in stages.STAGES[1:]:
+            if stage != self.stage:
+                del resolved[stage]
         return resolved
+
+    @property
+    def stage_section(self) -> dict[str, Any]:
+        return getattr(self, self.stage) if self.stage != "sft" else {}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
     def train_setting(self, key: str) -> Any:
-        """train.KEY as the run uses it: the recipe's value, else SFTConfig's default."""
+        """train.KEY as the run uses it: the recipe's value, else the stage config's default."""
         if key in self.train:
             return self.train[key]
-        from trl import SFTConfig
+        return next(f.default for f in dataclasses.fields(stages.config_class(self.stage)) if f.name == key)
 
-        return next(f.default for f in dataclasses.fields(SFTConfig) if f.name == key)
-
-    def sft_config(self, **runtime: Any):
-        """The SFTConfig the trainer gets: train.* plus what the toolkit decides at run time (e.g. use_cpu, and the
-        micro-batch and accumulation steps from `batch_split`)."""
-        from trl import SFTConfig
-
-        return SFTConfig(output_dir=self.output_dir, **{**train_section.sft_values(self.train), **runtime})
+    def trainer_config(self, **runtime: Any):
+        """The config the stage's trainer gets (SFTConfig, DPOConfig, ...): train.* and the stage's section, plus
+        what the toolkit decides at run time (e.g. use_cpu, and the micro-batch and accumulation steps from
+        `batch_split`)."""
+        return stages.trainer_config(self, train_section.sft_values(self.train), runtime)
 
     @property
     def auto_micro_batch(self) -> bool:
@@ -272,18 +293,25 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
             if not isinstance(section, dict):
                 raise UserError(f"{origin(f.name)}: {f.name} is a section of keys, not {section!r}")
             values[f.name] = _build_section(section, SECTIONS[f.name], f.name, origin)
-        elif f.name == "train":
-            values["train"] = raw["train"] if raw["train"] is not None else {}
-            if not isinstance(values["train"], dict):
-                raise UserError(f"{origin('train')}: train is a section of SFTConfig fields, not {values['train']!r}")
+        elif f.name in ("train", *stages.STAGES[1:]):
+            values[f.name] = raw[f.name] if raw[f.name] is not None else {}
+            if not isinstance(values[f.name], dict):
+                raise UserError(f"{origin(f.name)}: {f.name} is a section of keys, not {values[f.name]!r}")
         else:
             values[f.name] = coerce(raw[f.name], _hints(Recipe)[f.name], f.name, origin(f.name))
     recipe = Recipe(**values)
+    _fill_from_adapter(recipe, origin)
     _check_required(recipe, where)
     _check_contradictions(recipe, raw, origin)
     has_eval = bool(recipe.data.eval or recipe.data.eval_fraction)
+    for stage in stages.STAGES[1:]:
+        if getattr(recipe, stage) and stage != recipe.stage:
+            raise UserError(f"{origin(stage)}: {stage} settings are given but the stage is {recipe.stage}; set "
+                            f"stage: {stage}, or remove the {stage} section")
+    if recipe.stage != "sft":
+        setattr(recipe, recipe.stage, stages.resolve_section(recipe.stage, recipe.stage_section, origin, _suggest))
     recipe.train = train_section.resolve(recipe.train, recipe.method, has_eval, recipe.output_dir, origin, _suggest,
-                                         for_training)
+                                         for_training, recipe.stage, recipe.stage_section)
     if for_training and tracking.reports_to_mlflow(recipe.train):
         tracking.check_store(recipe.output_dir, recipe.mlflow.tracking_uri, origin("train.report_to"))
     return recipe
@@ -309,7 +337,7 @@ def _all_keys() -> tuple[str, ...]:
     for name, cls in SECTIONS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
     keys += [f"train.{name}" for name in [*train_section.sft_fields(), train_section.GLOBAL_BATCH]]
-    return tuple(keys)
+    return tuple(keys + stages.section_keys())
 
 
 def _suggest(dotted: str) -> str:
@@ -329,6 +357,25 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _fill_from_adapter(recipe: Recipe, origin) -> None:
+    """model.adapter: the adapter folder it names (a run's final/), checked; name_or_path defaults to its base."""
+    if not recipe.model.adapter:
+        return
+    import json
+
+    where = origin("model.adapter")
+    folder = Path(recipe.model.adapter)
+    if (folder / "final").is_dir():
+        folder = folder / "final"
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        raise UserError(f"{where}: model.adapter {recipe.model.adapter} is not a LoRA adapter (no "
+                        f"{config}); give a run folder that has final/, one of its checkpoints, or an adapter folder")
+    recipe.model.adapter = str(folder)
+    if not recipe.model.name_or_path:
+        recipe.model.name_or_path = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+
+
 def _check_required(recipe: Recipe, where: str) -> None:
     if not recipe.model.name_or_path:
         raise UserError(f"{where}: model.name_or_path is required (a Hub id, a local folder or builtin:tiny-llama)")
@@ -342,6 +389,19 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
             f"{origin('lora')}: lora settings are given but method is full, which trains every weight and has no "
             "adapter; remove the lora section or set method=lora"
         )
+    if recipe.model.adapter and (recipe.method == "full" or raw.get("lora")):
+        key = "method" if recipe.method == "full" else "lora"
+        raise UserError(f"{origin(key)}: model.adapter continues training that LoRA adapter, with its own settings; "
+                        + ("set method lora (or qlora)" if key == "method" else "remove the lora section"))
+    from finetune.data.formats import PREFERENCE_FORMATS
+
+    preference = recipe.stage in stages.PREFERENCE_STAGES
+    if recipe.data.format != "auto" and (recipe.data.format in PREFERENCE_FORMATS) != preference:
+        raise UserError(f"{origin('data.format')}: data.format {recipe.data.format} is not data for stage "
+                        f"{recipe.stage}; " + (f"stage {recipe.stage} takes {', '.join(PREFERENCE_FORMATS)}"
+                                               if preference else "it is preference data, for stage dpo or kto"))
+    if recipe.stage != "sft" and recipe.data.loss_on == "all":
+        raise UserError(f"{origin('data.loss_on')}: stage {recipe.stage} scores answers only; remove data.loss_on")
     if recipe.data.eval and recipe.data.eval_fraction:
         raise UserError(
             f"{origin('data.eval_fraction')}: data.eval and data.eval_fraction both choose the eval split; keep one"

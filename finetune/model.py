@@ -92,10 +92,23 @@ def weights_dtype(recipe, precision: dict):
 
 
 def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bool):
-    """(model, peft LoraConfig or None). With hf, PEFT wraps the model inside the trainer; Unsloth wraps it here."""
+    """(model, peft LoraConfig or None). With hf, PEFT wraps the model inside the trainer; Unsloth wraps it here.
+    With model.adapter the model comes wrapped, that adapter trainable."""
     if backend == "unsloth":
         return _load_unsloth(recipe, precision, gradient_checkpointing), None
+    if recipe.model.adapter:
+        return _with_adapter(load_hf_model(recipe, precision), recipe.model.adapter, gradient_checkpointing), None
     return load_hf_model(recipe, precision), lora_config(recipe)
+
+
+def _with_adapter(model, adapter: str, gradient_checkpointing: bool):
+    from peft import PeftModel, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.enable_input_require_grads()  # the checkpointed layers' inputs need gradients for the adapter's
+    return PeftModel.from_pretrained(model, adapter, is_trainable=True)
 
 
 def _placement():
@@ -204,8 +217,8 @@ def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
     from unsloth import FastLanguageModel
 
     lora = recipe.lora
-    model, _ = FastLanguageModel.from_pretrained(
-        model_name=builtin.resolve_model(recipe.model.name_or_path),
+    model, _ = FastLanguageModel.from_pretrained(  # Unsloth loads an adapter folder with its base, trainable
+        model_name=recipe.model.adapter or builtin.resolve_model(recipe.model.name_or_path),
         max_seq_length=recipe.train["max_length"],
         dtype=weights_dtype(recipe, precision) if recipe.model.dtype != "auto" else None,
         load_in_4bit=recipe.method == "qlora",
@@ -218,7 +231,7 @@ def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
         random_state=recipe.train["seed"],
     )
     isolate_packed_examples(model)
-    if recipe.method == "full":
+    if recipe.method == "full" or recipe.model.adapter:
         return model
     return FastLanguageModel.get_peft_model(
         model,

@@ -5,8 +5,13 @@ from __future__ import annotations
 from finetune.data.pipeline import MARK_CLOSE, MARK_OPEN
 
 
+UNITS = {"sft": "rows", "dpo": "pairs", "kto": "labelled answers", "grpo": "prompts"}
+
+
 def describe_data(report: dict) -> str:
-    lines = ["Data"]
+    stage = report.get("stage", "sft")
+    unit = UNITS[stage]
+    lines = ["Data" + (f" (stage {stage})" if stage != "sft" else "")]
     for split in ("train", "eval"):
         rows = report["rows"][split]
         if not rows:
@@ -14,17 +19,20 @@ def describe_data(report: dict) -> str:
         stats = report[split]
         p = stats["length_percentiles"]
         lines.append(
-            f"  {split}: {rows:,} rows, {stats['tokens']:,} tokens, "
-            f"{stats['trained_fraction']:.1%} of tokens carry loss"
+            f"  {split}: {rows:,} {unit}, {stats['tokens']:,} tokens"
+            + (f", {stats['trained_fraction']:.1%} of tokens carry loss" if stage != "grpo" else "")
         )
         lines.append(
-            f"    tokens per row: p50 {p['p50']}, p90 {p['p90']}, p99 {p['p99']}, max {p['max']}; "
-            f"{stats['truncated_rows']:,} rows truncated at max_length {report['max_length']}"
+            f"    tokens per {unit.split()[-1][:-1]}" + (" (prompt and the longer answer)" if stage == "dpo" else
+                                                         " (the prompt)" if stage == "grpo" else "")
+            + f": p50 {p['p50']}, p90 {p['p90']}, p99 {p['p99']}, max {p['max']}; "
+            f"{stats['truncated_rows']:,} {unit} truncated at max_length {report['max_length']}"
         )
         if stats["dropped_no_trained_tokens"]:
             lines.append(
-                f"    {stats['dropped_no_trained_tokens']:,} rows dropped: nothing to learn within max_length "
-                "(data.too_long=fail lists them)"
+                f"    {stats['dropped_no_trained_tokens']:,} {unit} dropped: "
+                + ("the prompt alone fills max_length" if stage != "sft" else "nothing to learn within max_length")
+                + " (data.too_long=fail lists them)"
             )
         if "packed_rows" in stats:
             lines.append(
@@ -40,6 +48,8 @@ def describe_data(report: dict) -> str:
         lines += [f"    {line}" for line in bad["shown"]]
     else:
         lines.append("  bad rows: none")
-    lines.append(f"Example (tokens that carry loss are between {MARK_OPEN} and {MARK_CLOSE}):")
+    lines.append(f"Example (tokens that carry loss are between {MARK_OPEN} and {MARK_CLOSE}):" if stage == "sft" else
+                 f"Example (the answers' tokens, scored, are between {MARK_OPEN} and {MARK_CLOSE}):" if stage != "grpo"
+                 else "Example (a prompt that GRPO answers, and the reference its rewards compare with):")
     lines += [f"  {line}" for line in report["example"].splitlines()]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""TRL's SFTTrainer, bound to a run folder.
+"""TRL's trainers, bound to a run folder: `RunFolderTrainer` goes before any of them (SFTTrainer here, the other
+stages' in stage_trainers.py).
 
 - Counts the real (non-padding) tokens and the tokens that carry loss, summed over every process, and carries the
   counts across a resume.
@@ -35,7 +36,9 @@ from finetune.run_folder import EVAL_KEYS, RunFolder, latest_checkpoint
 logger = logging.getLogger("finetune")
 
 
-class RunTrainer(SFTTrainer):
+class RunFolderTrainer:
+    """What every stage's trainer gets; mixed in before TRL's trainer class."""
+
     def __init__(self, *args, run_folder: RunFolder, recipe_yaml: str, stop, save_total_limit: int | None,
                  max_length: int, similar_lengths: bool = True, resumed: dict[str, Any] | None = None, **kwargs):
         self.run_folder, self.recipe_yaml, self.stop, self.recipe_max_length = run_folder, recipe_yaml, stop, max_length
@@ -86,9 +89,7 @@ class RunTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         real = inputs.pop("num_real_tokens", None)  # from PackedRowsCollator; not a model input
         if self.model.training:
-            if real is None:
-                real = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            trained = (inputs["labels"][..., 1:] != IGNORE).sum()
+            real, trained = _token_counts(inputs, real)
             counts = torch.stack([torch.as_tensor(real, device=trained.device), trained])
             real_sum, trained_sum = self.accelerator.reduce(counts, reduction="sum").tolist()
             self.real_tokens += int(real_sum)
@@ -150,7 +151,7 @@ class RunTrainer(SFTTrainer):
 
     def _out_of_memory(self, inputs) -> str:
         args = self.args
-        rows, width = inputs["input_ids"].shape
+        rows, width = inputs["input_ids" if "input_ids" in inputs else "completion_ids"].shape
         knobs = [f"halve train.per_device_train_batch_size (now {args.per_device_train_batch_size}) and double "
                  f"train.gradient_accumulation_steps (now {args.gradient_accumulation_steps}): the global batch stays "
                  f"{self.global_batch}", f"lower train.max_length (now {self.recipe_max_length})"]
@@ -219,6 +220,24 @@ class RunTrainer(SFTTrainer):
         }
 
 
+def _token_counts(inputs, real) -> tuple:
+    """(real tokens, tokens that carry loss) of a batch: SFT's labels, or the completions of the other stages."""
+    if real is None:
+        if "attention_mask" in inputs:
+            real = inputs["attention_mask"].sum()
+        elif "completion_mask" in inputs and "prompt_mask" in inputs:  # GRPO's generated batch
+            real = inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
+        else:
+            real = inputs["input_ids"].numel()
+    if "labels" in inputs:
+        return real, (inputs["labels"][..., 1:] != IGNORE).sum()
+    return real, inputs["completion_mask"].sum()
+
+
+class RunTrainer(RunFolderTrainer, SFTTrainer):
+    pass
+
+
 @contextlib.contextmanager
 def _batches_not_skipped():
     skip = transformers.trainer.skip_first_batches
@@ -255,6 +274,7 @@ class ProgressCallback(TrainerCallback):
             )
             self.last_time, self.last_tokens = now, tokens
         row.update({key: logs[key] for key in EVAL_KEYS if key in logs})
+        row.update({key: logs[key] for key in logs if is_stage_metric(key)})
         if len(row) == 2:
             return  # the end-of-training summary: the status line says it
         row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
@@ -265,6 +285,17 @@ class ProgressCallback(TrainerCallback):
         self.run_folder.append(row)
         if self.also is not None:
             self.also(row)
+
+
+STAGE_METRICS = ("reward", "reward_std", "kl", "completions/mean_length", "completions/clipped_ratio")
+
+
+def is_stage_metric(key: str) -> bool:
+    """The metrics of the preference and reward stages that progress.jsonl keeps: DPO's and KTO's rewards/chosen,
+    rewards/rejected, rewards/margins and rewards/accuracies; GRPO's reward, rewards/<function>/mean and its
+    completions' length; and their eval_ versions."""
+    key = key.removeprefix("eval_")
+    return key.startswith("rewards/") or key in STAGE_METRICS
 
 
 def peak_memory_gb() -> float:

@@ -25,6 +25,8 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "seed": 42,  # SFTConfig's own default, stated because the eval split and the data cache use it too
 }
 LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
+# Preference and reward stages move a trained model a little: rates as in TRL's and Unsloth's examples.
+STAGE_LEARNING_RATES = {"lora": 5e-6, "qlora": 5e-6, "full": 5e-7}
 
 # train.* keys of the toolkit's own, beside SFTConfig's fields. With global_batch_size the accumulation steps follow
 # from the process count (the same global batch on any number of processes); per_device_train_batch_size may then
@@ -60,11 +62,17 @@ def sft_fields() -> dict[str, Any]:
 
 
 def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str | None, origin, suggest,
-            for_training: bool) -> dict[str, Any]:
-    """train.* over the toolkit defaults, each key checked against SFTConfig, then SFTConfig's own checks.
-    `origin(key)` names where a key was set; `suggest(key)` offers the closest valid key."""
-    fields = sft_fields()
-    train = {**TRAIN_DEFAULTS, "learning_rate": LEARNING_RATES[method]}
+            for_training: bool, stage: str = "sft", section: dict | None = None) -> dict[str, Any]:
+    """train.* over the toolkit defaults, each key checked against the stage's TRL config (SFTConfig, DPOConfig,
+    ...), then that config's own checks. `origin(key)` names where a key was set; `suggest(key)` offers the closest
+    valid key."""
+    from finetune import stages
+
+    fields = stages.train_fields(stage)
+    rates = LEARNING_RATES if stage == "sft" else STAGE_LEARNING_RATES
+    train = {**TRAIN_DEFAULTS, "learning_rate": rates[method]}
+    if stage != "sft":
+        train["packing"] = False  # pairs and prompts are batched whole
     for key, value in given.items():
         where = origin(f"train.{key}")
         if key == GLOBAL_BATCH or (key == "per_device_train_batch_size" and value == AUTO):
@@ -73,8 +81,12 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
         if key in NOT_USED:
             raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
         if key not in fields:
-            raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's SFTConfig)"
-                            + suggest(f"train.{key}"))
+            if stage != "sft" and key in stages.section_fields(stage):
+                raise UserError(f"{where}: train.{key} is a setting of stage {stage}: write it as {stage}.{key}")
+            if stage != "sft" and key in sft_fields():
+                raise UserError(f"{where}: train.{key} is SFT's (stage sft); stage {stage} does not use it")
+            raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's "
+                            f"{stages.config_class(stage).__name__})" + suggest(f"train.{key}"))
         train[key] = coerce(value, fields[key], f"train.{key}", where)
     if for_training:
         _check_report_to(train.get("report_to"), origin("train.report_to"))
@@ -88,12 +100,14 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
             raise UserError(
                 f"{origin('train.' + key)}: train.{key} needs eval data; set data.eval or data.eval_fraction"
             )
-    try:
-        from trl import SFTConfig
-
-        SFTConfig(output_dir=output_dir, **{**sft_values(train), "use_cpu": True})  # its checks, no devices
+    try:  # the config's own checks, without devices
+        config = stages.config_class(stage)
+        names = {f.name for f in dataclasses.fields(config)}
+        values = {key: value for key, value in sft_values(train).items() if key in names}
+        stage_values = {key: value for key, value in (section or {}).items() if key != "rewards"}
+        config(output_dir=output_dir, **values, **stage_values, use_cpu=True)
     except ValueError as error:
-        raise UserError(f"{origin('train')}: {error}") from None
+        raise UserError(f"{origin(stage if stage != 'sft' else 'train')}: {error}") from None
     return train
 
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends, memory_plan, resuming
+from finetune import backends, memory_plan, resuming, rewards
 from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
@@ -27,7 +27,8 @@ from finetune.model import load_model, load_tokenizer, model_config, training_pr
 from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, check_free, check_writable
-from finetune.sft_trainer import ProgressCallback, RunTrainer, SamplesCallback
+from finetune import stage_trainers
+from finetune.sft_trainer import ProgressCallback, SamplesCallback
 from finetune.signals import StopRequest
 from finetune.tracking import MlflowTracking
 from finetune.train_section import check_device_options, trains_on_cpu
@@ -75,7 +76,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     if state.is_main_process:
         print(why, describe_data(data.report), sep="\n", flush=True)
     flash = "flash" in (recipe.model.attn_implementation or "")
-    args = recipe.sft_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
+    args = recipe.trainer_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
     if point:
         args.eval_on_start = False  # the run evaluated at its start already
@@ -112,8 +113,12 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
 def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash, callbacks,
          tracker: MlflowTracking | None) -> str:
     trainer = None
+    renderer = _renderer(recipe, tokenizer)
     try:
-        trainer = RunTrainer(
+        trainer = stage_trainers.build(
+            recipe.stage,
+            renderer=renderer,
+            reward_functions=rewards.build(recipe.grpo["rewards"], tokenizer) if recipe.stage == "grpo" else None,
             model=model,
             args=args,
             data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
@@ -134,7 +139,7 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
                                     also=tracker.log_row if tracker else None)
         trainer.add_callback(progress)
         board = _log_to_tensorboard(trainer, run_folder, point)
-        samples = _samples_callback(recipe, data, tokenizer, progress, board) if recipe.eval.samples else None
+        samples = _samples_callback(recipe, data, renderer, progress, board) if recipe.eval.samples else None
         if samples:
             trainer.add_callback(samples)
         elif recipe.eval.samples and state.is_main_process:
@@ -174,10 +179,16 @@ def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, no
         print(f"note: {note}", flush=True)
 
 
-def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board) -> SamplesCallback | None:
+def _renderer(recipe, tokenizer):
+    from finetune.data.render import Renderer
+
+    return Renderer(tokenizer, tokenizer.chat_template, recipe.data.template_date,
+                    template_kwargs=recipe.data.template_kwargs)
+
+
+def _samples_callback(recipe, data, renderer, progress: ProgressCallback, board) -> SamplesCallback | None:
     """eval.samples: answers to the first held-out prompts at each evaluation, in progress.jsonl (and so in MLflow)
     and as TensorBoard text; None without such prompts."""
-    from finetune.data.render import Renderer
     from finetune.evaluate import held_out, samples_markdown
 
     def record(row: dict) -> None:
@@ -187,10 +198,9 @@ def _samples_callback(recipe, data, tokenizer, progress: ProgressCallback, board
             board.add_scalar("eval/samples_stop_rate", row["samples_stop_rate"], row["step"])
             board.flush()
 
-    renderer = Renderer(tokenizer, tokenizer.chat_template, recipe.data.template_date,
-                        template_kwargs=recipe.data.template_kwargs)
     examples = held_out(data.eval_examples, recipe.eval.samples, renderer) if data.eval is not None else []
-    return SamplesCallback(examples, tokenizer, renderer, recipe.eval.max_new_tokens, record) if examples else None
+    return SamplesCallback(examples, renderer.tokenizer, renderer, recipe.eval.max_new_tokens, record) \
+        if examples else None
 
 
 def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | None):
@@ -288,7 +298,7 @@ def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) 
         # rows flattened into one sequence (TRL's padding-free collator); other attention takes PackedRowsCollator.
         "packing": False,
         "padding_free": recipe.train["packing"] and flash,
-        "max_length": None,
+        "max_length": None,  # SFT, DPO and KTO: the pipeline truncated (and counted) what was too long
         "use_cpu": trains_on_cpu(recipe.train),
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
         "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run

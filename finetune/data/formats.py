@@ -8,15 +8,27 @@ message with `"train": False` is context only (the prompt side of a prompt/compl
 A plain-text example (raw `text`, or a text prompt/completion, which TRL also leaves untemplated) is
 `{"segments": [{"text": ..., "train": bool}, ...]}`.
 
+A preference pair (stages dpo and kto) is `{"chosen": EXAMPLE, "rejected": EXAMPLE}`: the same prompt with each
+answer, both chat or both plain-text examples as above, the prompt marked as context. An answer labelled for KTO
+is `{"completion": EXAMPLE, "label": bool}`. Preference rows come as:
+
+    preference            prompt (messages or text) or messages, with chosen and rejected (messages or text); without
+                          a prompt, chosen and rejected are whole conversations that share it (TRL's implicit prompt)
+    sharegpt_preference   conversations, with chosen and rejected turns ({from, value}), as LLaMA-Factory's data
+    hh                    chosen and rejected as whole "\n\nHuman: ... \n\nAssistant: ..." transcripts (Anthropic HH)
+    kto                   prompt and completion (messages or text) with a boolean label
+
 `normalize` raises `BadRow` with the reason when a row cannot be used; the pipeline adds file and row number.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 FORMATS = ("messages", "alpaca", "sharegpt", "prompt_completion", "text")
+PREFERENCE_FORMATS = ("preference", "sharegpt_preference", "hh", "kto")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -34,12 +46,23 @@ class BadRow(Exception):
     """This row cannot be trained on; the message says why."""
 
 
-def detect_format(row: dict[str, Any], columns: dict[str, str]) -> str | None:
-    """The format whose fields the row has (after the column mapping), or None."""
+def detect_format(row: dict[str, Any], columns: dict[str, str], preference: bool = False) -> str | None:
+    """The format whose fields the row has (after the column mapping), or None. `preference`: the preference
+    formats (stages dpo and kto)."""
 
     def has(name: str) -> bool:
         return _lookup(row, columns.get(name, name)) is not None
 
+    if preference:
+        if has("chosen") and has("rejected"):
+            if has("conversations"):
+                return "sharegpt_preference"
+            if has("prompt") or has("messages") or isinstance(_lookup(row, columns.get("chosen", "chosen")), list):
+                return "preference"
+            return "hh"
+        if has("prompt") and has("completion") and has("label"):
+            return "kto"
+        return None
     if has("messages"):
         return "messages"
     if has("conversations"):
@@ -63,6 +86,8 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
             raise BadRow(f"{source!r} is null{mapped}" if source in row else f"no {source!r} field{mapped}")
         return value
 
+    if fmt in PREFERENCE_FORMATS:
+        return _preference(field, row, fmt, system_prompt, thinking_marker)
     if fmt == "messages":
         messages = [_message(m, i) for i, m in enumerate(_nonempty_list(field("messages"), "messages"), 1)]
         example = {"messages": messages, "tools": _tools(row.get("tools"))}
@@ -93,7 +118,10 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
         return {"segments": [{"text": _text(field("text"), "text"), "train": True}]}
     else:
         raise ValueError(f"unknown format {fmt!r}")
+    return _conversation(example, system_prompt, thinking_marker)
 
+
+def _conversation(example: dict[str, Any], system_prompt: str | None, thinking_marker: str | None) -> dict[str, Any]:
     if system_prompt and example["messages"][0]["role"] not in ("system", "developer"):
         example["messages"].insert(0, {"role": "system", "content": system_prompt})
     if thinking_marker:
@@ -102,6 +130,93 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
         raise BadRow("no assistant turn to learn from")
     _check_order(example["messages"])
     return example
+
+
+def _preference(field, row: dict[str, Any], fmt: str, system_prompt: str | None,
+                thinking_marker: str | None) -> dict[str, Any]:
+    """A preference pair, or a labelled answer (kto), from a row of a preference format."""
+    tools = _tools(row.get("tools"))
+
+    def answer(prompt: list | str, completion: Any, name: str) -> dict[str, Any]:
+        """The prompt with one answer: a chat example, or plain text when prompt and answer are both text."""
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion:
+                raise BadRow(f"{name} is empty")
+            return {"segments": [{"text": prompt, "train": False}, {"text": completion, "train": True}]}
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        elif isinstance(completion, dict):
+            completion = [completion]
+        if not isinstance(completion, list) or not completion:
+            raise BadRow(f"{name} must be text, a message or a list of messages, not {_kind(completion)}")
+        context = [{**m, "train": False} for m in prompt]
+        if fmt == "sharegpt_preference":
+            answers = [_sharegpt_message(turn, len(prompt) + i) for i, turn in enumerate(completion, 1)]
+        else:
+            answers = [_message(m, len(prompt) + i) for i, m in enumerate(completion, 1)]
+        if answers[0]["role"] != "assistant":
+            raise BadRow(f"{name} must begin with an assistant message, not {answers[0]['role']}")
+        example = {"messages": context + answers, "tools": tools}
+        return _conversation(example, system_prompt, thinking_marker)
+
+    if fmt == "kto":
+        label = field("label")
+        if not isinstance(label, bool):
+            raise BadRow(f"label must be true or false, not {_kind(label)}")
+        return {"completion": answer(_prompt(field("prompt")), field("completion"), "completion"), "label": label}
+    if fmt == "hh":
+        chosen, rejected = _transcript(field("chosen"), "chosen"), _transcript(field("rejected"), "rejected")
+        prompt, chosen, rejected = _shared_prompt(chosen, rejected)
+    elif fmt == "sharegpt_preference":
+        turns = _nonempty_list(field("conversations"), "conversations")
+        prompt = [_sharegpt_message(turn, i) for i, turn in enumerate(turns, 1)]
+        if isinstance(row.get("system"), str) and row["system"]:
+            prompt.insert(0, {"role": "system", "content": row["system"]})
+        chosen, rejected = field("chosen"), field("rejected")
+    else:
+        chosen, rejected = field("chosen"), field("rejected")
+        given = _lookup(row, "prompt") if _lookup(row, "prompt") is not None else _lookup(row, "messages")
+        if given is None:  # whole conversations sharing the prompt
+            chosen = [_message(m, i) for i, m in enumerate(_nonempty_list(chosen, "chosen"), 1)]
+            rejected = [_message(m, i) for i, m in enumerate(_nonempty_list(rejected, "rejected"), 1)]
+            prompt, chosen, rejected = _shared_prompt(chosen, rejected)
+        else:
+            prompt = _prompt(field("prompt") if _lookup(row, "prompt") is not None else field("messages"))
+    return {"chosen": answer(prompt, chosen, "chosen"), "rejected": answer(prompt, rejected, "rejected")}
+
+
+def _prompt(value: Any) -> list[dict[str, Any]] | str:
+    if isinstance(value, str):
+        return value
+    return [_message(m, i) for i, m in enumerate(_nonempty_list(value, "prompt"), 1)]
+
+
+HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")
+
+
+def _transcript(text: Any, name: str) -> list[dict[str, str]]:
+    """An Anthropic HH transcript ("\n\nHuman: ...\n\nAssistant: ...") as messages."""
+    text = _text(text, name)
+    parts = HH_TURN.split(text)
+    if parts[0].strip() or len(parts) < 5:
+        raise BadRow(f"{name} is not a transcript of \"\\n\\nHuman: ...\\n\\nAssistant: ...\" turns")
+    return [{"role": "user" if speaker == "Human" else "assistant", "content": said.strip()}
+            for speaker, said in zip(parts[1::2], parts[2::2])]
+
+
+def _shared_prompt(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen answer, rejected answer) of two conversations that differ only in their last answer."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    while shared and chosen[shared - 1]["role"] == "assistant":  # the answers start with the assistant's turn
+        shared -= 1
+    if not shared or chosen[shared]["role"] != "assistant" or rejected[shared:shared + 1] == [] \
+            or rejected[shared]["role"] != "assistant":
+        raise BadRow("chosen and rejected do not share a prompt followed by the assistant's answer")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
 def _check_order(messages: list[dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from finetune import builtin
 from finetune.data import formats, sources
 from finetune.data.formats import BadRow
 from finetune.data.render import IGNORE, Renderer
+from finetune.data.stage_rows import RowEncoder, answer_example
 from finetune.errors import UserError
 
 SHOWN_BAD_ROWS = 10
@@ -59,6 +60,7 @@ def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
         "max_length": recipe.train["max_length"],
         "packing": recipe.train["packing"],
         "seed": recipe.train["seed"],
+        "stage": recipe.stage,
     }
     key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
     folder = builtin.home() / "data" / key
@@ -151,10 +153,10 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
     bad: list[str] = []
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _Spool(folder.parent) as spool:
-        train_examples, mixture = _mix([read_examples([source], data, bad, spool) for source in train_sources],
-                                       _as_list(data.train), recipe.train["seed"])
+        train_examples, mixture = _mix([read_examples([source], data, bad, spool, recipe.stage)
+                                        for source in train_sources], _as_list(data.train), recipe.train["seed"])
         if eval_sources:
-            eval_examples = read_examples(eval_sources, data, bad, spool)
+            eval_examples = read_examples(eval_sources, data, bad, spool, recipe.stage)
         else:
             train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
         _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
@@ -168,9 +170,10 @@ def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples
                         "and the data holds conversations; set model.chat_template to a .jinja template file")
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
+    encoder = RowEncoder(renderer, recipe.stage)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
     try:
-        report = _encode_splits(staging, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad)
+        report = _encode_splits(staging, recipe, tokenizer, encoder, spool, train_examples, eval_examples, bad)
         if len(mixture) > 1:
             report["sources"] = mixture
     except BaseException:
@@ -183,14 +186,15 @@ def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples
         shutil.rmtree(staging)
 
 
-def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_examples, eval_examples, bad) -> dict:
+def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
+                   bad) -> dict:
     """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
     data, max_length = recipe.data, recipe.train["max_length"]
     too_long: list[str] = []
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
-    train_table, train_stats = _encode(train_examples, spool, renderer, max_length, bad, too_long,
+    train_table, train_stats = _encode(train_examples, spool, encoder, max_length, bad, too_long,
                                        staging / "train.arrow", processes, "train")
-    eval_table, eval_stats = _encode(eval_examples, spool, renderer, max_length, bad, too_long,
+    eval_table, eval_stats = _encode(eval_examples, spool, encoder, max_length, bad, too_long,
                                      staging / "eval.arrow", processes, "eval")
     if bad and data.bad_rows == "fail":
         raise bad_rows_error(bad)
@@ -202,14 +206,14 @@ def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_exam
     if not len(train_table):
         raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
 
-    first = train_table[0]
     report = {
+        "stage": recipe.stage,
         "rows": {"train": len(train_table), "eval": len(eval_table)},
         "bad_rows": {"count": len(bad), "shown": bad[:SHOWN_BAD_ROWS], "policy": data.bad_rows},
         "train": train_stats,
         "eval": eval_stats,
         "max_length": max_length,
-        "example": _marked_example(tokenizer, first["input_ids"], first["labels"]),
+        "example": encoder.marked(train_table[0], lambda ids, labels: _marked_example(tokenizer, ids, labels)),
     }
     for name, table in {"train": train_table, "eval": eval_table}.items():
         if not len(table):
@@ -219,7 +223,7 @@ def _encode_splits(staging: Path, recipe, tokenizer, renderer, spool, train_exam
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
         table.save_to_disk(str(staging / name))
-    pool = [{"where": where, **spool.get(index)} for where, index in eval_examples[:SAMPLE_POOL]]
+    pool = [{"where": where, **answer_example(spool.get(index))} for where, index in eval_examples[:SAMPLE_POOL]]
     (staging / EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
     for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
         rows_file.unlink()
@@ -268,7 +272,7 @@ class _Spool:
         self.file.seek(0, os.SEEK_END)
         self.offsets.append(self.file.tell())
         pickle.dump(example, self.file)
-        self.conversations = self.conversations or "messages" in example
+        self.conversations = self.conversations or "messages" in answer_example(example)
         return len(self.offsets) - 1
 
     def get(self, index: int) -> dict:
@@ -276,8 +280,9 @@ class _Spool:
         return pickle.load(self.file)
 
 
-def read_examples(source_list, data, bad: list[str], spool: _Spool) -> list[tuple[str, int]]:
-    """(where, index in `spool`) of every usable row, normalized; the others go to `bad` as 'where: reason'."""
+def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str = "sft") -> list[tuple[str, int]]:
+    """(where, index in `spool`) of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
+    desirable, and its rejected one); the others go to `bad` as 'where: reason'."""
     examples = []
     for source in source_list:
         found: dict[str, str] = {}  # file -> the format of its rows
@@ -292,22 +297,30 @@ def read_examples(source_list, data, bad: list[str], spool: _Spool) -> list[tupl
                     bad.append(f"{where}: {row}")
                     continue
                 if fmt is None:
-                    fmt = found[name] = _detect_format(row, data.columns, where)
+                    fmt = found[name] = _detect_format(row, data.columns, where, stage)
                     _check_one_format(source, found)
                 try:
                     example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
-                    examples.append((where, spool.add(example)))
+                    if stage == "kto" and "chosen" in example:
+                        examples += [(where, spool.add({"completion": example["chosen"], "label": True})),
+                                     (where, spool.add({"completion": example["rejected"], "label": False}))]
+                    else:
+                        examples.append((where, spool.add(example)))
                 except BadRow as reason:
                     bad.append(f"{where}: {reason}")
     return examples
 
 
-def _detect_format(row: dict, columns: dict, where: str) -> str:
-    fmt = formats.detect_format(row, columns)
+def _detect_format(row: dict, columns: dict, where: str, stage: str) -> str:
+    preference = stage in ("dpo", "kto")
+    fmt = formats.detect_format(row, columns, preference)
     if fmt is None:
+        choices = formats.PREFERENCE_FORMATS if preference else formats.FORMATS
+        what = (f"the preference data format of stage {stage} (chosen and rejected answers, or a labelled "
+                "completion)" if preference else "the data format")
         raise UserError(
-            f"{where}: cannot tell the data format from its fields ({', '.join(map(str, row)) or 'none'}); "
-            f"set data.format ({', '.join(formats.FORMATS)}) and data.columns to map your fields"
+            f"{where}: cannot tell {what} from its fields ({', '.join(map(str, row)) or 'none'}); "
+            f"set data.format ({', '.join(choices)}) and data.columns to map your fields"
         )
     return fmt
 
@@ -323,35 +336,32 @@ def _check_one_format(source, found: dict[str, str]) -> None:
         )
 
 
-def _encode(examples, spool: _Spool, renderer: Renderer, max_length: int, bad: list[str], too_long: list[str],
+def _encode(examples, spool: _Spool, encoder: RowEncoder, max_length: int, bad: list[str], too_long: list[str],
             path: Path, processes: int, split: str):
     """Encode `examples` into an Arrow file at `path`, row by row (nothing held but the lengths), on `processes`
     worker processes for large splits, saying how far it is; (the rows as a Dataset, their statistics)."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                  "labels": datasets.Sequence(datasets.Value("int64"))})
     lengths, truncated, untrainable, tokens, trained = [], 0, 0, 0, 0
     progress = _Progress(split, len(examples))
-    with ArrowWriter(features=features, path=str(path), writer_batch_size=256) as writer:  # few rows in memory
-        for (where, _), encoded in zip(examples, _encoded(examples, spool, renderer, processes)):
+    with ArrowWriter(features=encoder.features(), path=str(path), writer_batch_size=256) as writer:  # few rows held
+        for (where, _), encoded in zip(examples, _encoded(examples, spool, encoder, processes)):
             progress.advance()
             if isinstance(encoded, BadRow):
                 bad.append(f"{where}: {encoded}")
                 continue
-            ids, labels = encoded
-            lengths.append(len(ids))
-            if len(ids) > max_length:
-                truncated += 1
-                ids, labels = ids[:max_length], labels[:max_length]
-            if all(label == IGNORE for label in labels):
+            lengths.append(encoder.counts(encoded)[0])
+            row, cut = encoder.fit(encoded, max_length)
+            truncated += cut
+            if row is None:
                 untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
                 too_long.append(f"{where}: {lengths[-1]:,} tokens")
                 continue
-            tokens += len(ids)
-            trained += sum(label != IGNORE for label in labels)
-            writer.write({"input_ids": ids, "labels": labels})
+            _, row_tokens, row_trained = encoder.counts(row)
+            tokens += row_tokens
+            trained += row_trained
+            writer.write(row)
         writer.finalize()
     progress.finish()
     table = datasets.Dataset.from_file(str(path))
@@ -365,25 +375,25 @@ def _encode(examples, spool: _Spool, renderer: Renderer, max_length: int, bad: l
     }
 
 
-_worker_renderer: Renderer | None = None  # a worker process's renderer
+_worker_encoder: RowEncoder | None = None  # a worker process's encoder
 
 
-def _start_worker(renderer: Renderer) -> None:
-    global _worker_renderer
-    _worker_renderer = renderer
+def _start_worker(encoder: RowEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
 
 
 def _encode_one(example: dict):
     try:
-        return _worker_renderer.encode(example)
+        return _worker_encoder(example)
     except BadRow as reason:
         return reason
 
 
-def _encoded(examples, spool: _Spool, renderer: Renderer, processes: int):
-    """Each example's (ids, labels), or its BadRow, in order; the workers get a window of examples at a time."""
-    global _worker_renderer
-    _worker_renderer = renderer
+def _encoded(examples, spool: _Spool, encoder: RowEncoder, processes: int):
+    """Each example's row, or its BadRow, in order; the workers get a window of examples at a time."""
+    global _worker_encoder
+    _worker_encoder = encoder
     if processes <= 1 or len(examples) < PARALLEL_FROM:
         yield from (_encode_one(spool.get(index)) for _, index in examples)
         return
@@ -391,7 +401,7 @@ def _encoded(examples, spool: _Spool, renderer: Renderer, processes: int):
     window = 256 * processes
     # spawned, not forked: a fork of this process (torch's and the tokenizer's threads) can inherit a held lock
     try:
-        with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (renderer,)) as pool:
+        with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (encoder,)) as pool:
             for start in range(0, len(examples), window):
                 batch = [spool.get(index) for _, index in examples[start:start + window]]
                 yield from pool.imap(_encode_one, batch, chunksize=16)

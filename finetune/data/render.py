@@ -58,6 +58,11 @@ class Renderer:
         fixed = date.fromisoformat(template_date)
         self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
 
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's variables, the fixed date among them."""
+        return dict(self._template_kwargs)
+
     def encode(self, example: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Token ids and labels (the id where the token carries loss, else -100)."""
         if "segments" in example:
