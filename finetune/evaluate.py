@@ -86,9 +86,10 @@ def resolve_target(spec: str) -> Target:
 
 def load_examples(spec: str, data_section, limit: int | None = None) -> list[Example]:
     """Rows of a data file (any format training reads, with the recipe's columns), normalized; a bad row stops
-    it with the file and row named."""
+    it with the file and row named. Of preference data, the chosen answer is the reference."""
     from finetune.data import sources
     from finetune.data.pipeline import bad_rows_error, read_examples
+    from finetune.data.stage_rows import answer_example
 
     class Kept(list):
         def add(self, example: dict) -> int:
@@ -96,12 +97,12 @@ def load_examples(spec: str, data_section, limit: int | None = None) -> list[Exa
             return len(self) - 1
 
     kept, bad = Kept(), []
-    found = read_examples([sources.resolve(spec, "--data")], data_section, bad, kept)
+    found = read_examples([sources.resolve(spec, "--data")], data_section, bad, kept, stage="any")
     if bad:
         raise bad_rows_error(bad)
     if not found:
         raise UserError(f"--data {spec}: no rows")
-    examples = [split_example(where, kept[index]) for where, index in found]
+    examples = [split_example(where, answer_example(kept[index])) for where, index in found]
     return examples[:limit] if limit else examples
 
 

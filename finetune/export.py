@@ -217,6 +217,9 @@ def hub_id(name: str) -> str | None:
     return name
 
 
+TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer"}
+
+
 def base_origin(name: str) -> str | None:
     """The Hub id of the base model: the name itself, or for a local folder the id its config, its card or the
     Hugging Face cache path names; None for a local model of unknown origin. Builtins keep their name."""
@@ -277,7 +280,8 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
     data = ModelCardData(
         base_model=hub_id(origin) if origin else None, datasets=datasets or None, license=license,
         library_name="transformers" if merged else "peft", pipeline_tag="text-generation",
-        tags=["finetune", "trl", "sft", *([] if merged else ["lora"]), *(["qlora"] if recipe.method == "qlora" else [])],
+        tags=["finetune", "trl", recipe.stage, *([] if merged else ["lora"]),
+              *(["qlora"] if recipe.method == "qlora" else [])],
     )
     losses = final_losses(source)
     train = recipe.train
@@ -285,7 +289,8 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
     lines = [
         f"# {title}",
         "",
-        f"{what} fine-tune of {_quoted(base, origin)}, trained with finetune (TRL's `SFTTrainer` and PEFT)"
+        f"{what} fine-tune of {_quoted(base, origin)}, trained with finetune (TRL's `{TRAINERS[recipe.stage]}` "
+        "and PEFT)"
         + (f", exported merged into the base in {dtype}." if merged and source.is_adapter else
            f", exported in {dtype}." if merged else ": the adapter alone."),
         "",
@@ -294,6 +299,12 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         "| | |",
         "|---|---|",
         f"| base model | {_quoted(base, origin)} |",
+        *([f"| stage | {recipe.stage}"
+           + (f" ({', '.join(f'{k} {v}' for k, v in recipe.stage_section.items() if k != 'rewards')})"
+              if recipe.stage_section else "")
+           + (f"; rewards {', '.join(r['function'] for r in recipe.grpo['rewards'])}" if recipe.stage == "grpo" else "")
+           + ("; continued an adapter trained before (model.adapter)" if recipe.model.adapter else "") + " |"]
+          if recipe.stage != "sft" or recipe.model.adapter else []),
         f"| method | {recipe.method}"
         + (f" (r {recipe.lora.r}, alpha {recipe.lora.alpha}, targets {recipe.lora.target_modules}"
            + (f", parameters {', '.join(recipe.lora.target_parameters)}" if recipe.lora.target_parameters else "")

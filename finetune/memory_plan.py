@@ -79,6 +79,9 @@ def this_machine(cpu: bool) -> Device:
         return device_named("cpu")
     import torch
 
+    if not torch.cuda.is_available():
+        raise UserError("this machine has no CUDA GPU to plan for: name the card with --gpu (e.g. --gpu A10, "
+                        "--gpu H100, --gpu 48GB), or plan for training on this CPU with --device cpu")
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     return Device(f"{properties.name} ({properties.total_memory / GIB:.1f} GiB)", properties.total_memory, cuda=True)
 
@@ -251,7 +254,9 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     """The per-device memory of training `recipe` (a model of `shape`) on `device` under `launch`, with micro-batches
     of `rows` rows of max_length tokens."""
     train = recipe.train
-    length = train["max_length"]
+    length = train["max_length"] + (recipe.grpo.get("max_completion_length", GRPO_COMPLETION)
+                                     if recipe.stage == "grpo" else 0)
+    sequences = 2 if recipe.stage == "dpo" else 1  # DPO runs a row's chosen and rejected answers in one batch
     compute = _compute_bytes(train, device)
     shard = launch.processes if launch.sharded else 1
     checkpointing = train.get("gradient_checkpointing", True)
@@ -283,9 +288,15 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     if train.get("activation_offloading"):
         per_token = per_token * 2 / (shape.layers + 1)  # kept in CPU memory but for the layers at work
         note = "offloaded to CPU memory but for about two layers'"
-    add(Line("activations", 0, per_token * length, note=note))
-    add(Line("backward working set", 0, working * length, note="the gradients of one layer's activations"))
-    add(_loss(shape, train, compute, length))
+    if sequences > 1:
+        note += "; chosen and rejected answers: 2 sequences per row"
+    add(Line("activations", 0, per_token * length * sequences, note=note))
+    add(Line("backward working set", 0, working * length * sequences, note="the gradients of one layer's activations"))
+    add(_loss(shape, train, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
+    if recipe.stage == "grpo":
+        add(Line("generation (KV cache)", 0, shape.layers * 2 * shape.kv_width * compute * length,
+                 note=f"keys and values of each answer generated, prompt and up to {length - train['max_length']} "
+                      "new tokens"))
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
     elif recipe.method == "qlora":
@@ -380,6 +391,19 @@ def _loss(shape: Shape, train: dict, b: int, length: int) -> Line:
         return Line("loss (Liger fused)", 0, b * shape.hidden * length, note="Liger's fused linear cross-entropy")
     return Line("loss (full logits)", 0, (b + 8) * shape.vocab * length,
                 note="logits of every token, upcast to fp32, with their gradient")
+
+
+GRPO_COMPLETION = 512  # GRPOConfig's max_completion_length
+
+
+def _stage_loss(shape: Shape, recipe, b: int, length: int) -> Line:
+    """TRL's DPO, KTO and GRPO take log-probabilities from the whole logits of a batch (no chunking): the logits,
+    their gradient and their float32 log-softmax per sequence. The reference model's logits (the adapter off) are
+    freed before the policy's forward."""
+    sequences = 2 if recipe.stage == "dpo" else 1
+    what = {"dpo": "chosen and rejected", "kto": "answers", "grpo": "generated answers"}[recipe.stage]
+    return Line(f"log-probabilities ({recipe.stage})", 0, sequences * length * shape.vocab * (2 * b + 4),
+                note=f"whole logits of the {what}, their gradient and float32 log-softmax (TRL does not chunk them)")
 
 
 def describe(plan_: Plan, recipe_name: str) -> str:

@@ -72,7 +72,7 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
     rates = LEARNING_RATES if stage == "sft" else STAGE_LEARNING_RATES
     train = {**TRAIN_DEFAULTS, "learning_rate": rates[method]}
     if stage != "sft":
-        train["packing"] = False  # pairs and prompts are batched whole
+        del train["packing"]  # SFT's: pairs and prompts are batched whole
     for key, value in given.items():
         where = origin(f"train.{key}")
         if key == GLOBAL_BATCH or (key == "per_device_train_batch_size" and value == AUTO):

@@ -121,7 +121,7 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
             reward_functions=rewards.build(recipe.grpo["rewards"], tokenizer) if recipe.stage == "grpo" else None,
             model=model,
             args=args,
-            data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train["packing"] and not flash else None,
+            data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train.get("packing", False) and not flash else None,
             train_dataset=data.train,
             eval_dataset=data.eval,
             processing_class=tokenizer,
@@ -297,7 +297,7 @@ def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) 
         # Our data is already tokenized, truncated and packed: TRL only batches it. FlashAttention takes packed
         # rows flattened into one sequence (TRL's padding-free collator); other attention takes PackedRowsCollator.
         "packing": False,
-        "padding_free": recipe.train["packing"] and flash,
+        "padding_free": recipe.train.get("packing", False) and flash,
         "max_length": None,  # SFT, DPO and KTO: the pipeline truncated (and counted) what was too long
         "use_cpu": trains_on_cpu(recipe.train),
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only

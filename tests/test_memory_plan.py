@@ -133,7 +133,7 @@ def test_probe_measures_beside_the_plan():
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",
-                                  "gpt-oss-20b-unsloth-qlora"])
+                                  "gpt-oss-20b-unsloth-qlora", "llama-3.2-3b-dpo-qlora", "llama-3.2-3b-grpo"])
 def test_recipe_headers_state_what_estimate_says(hub_cache, name):
     import re
 

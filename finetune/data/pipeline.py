@@ -58,7 +58,7 @@ def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
     settings = {
         "data": {key: value for key, value in dataclasses.asdict(data).items() if key != "num_proc"},
         "max_length": recipe.train["max_length"],
-        "packing": recipe.train["packing"],
+        "packing": recipe.train.get("packing", False),
         "seed": recipe.train["seed"],
         "stage": recipe.stage,
     }
@@ -218,7 +218,7 @@ def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool,
     for name, table in {"train": train_table, "eval": eval_table}.items():
         if not len(table):
             continue
-        if recipe.train["packing"]:
+        if recipe.train.get("packing", False):
             table = _pack(table, max_length)
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
@@ -282,7 +282,8 @@ class _Spool:
 
 def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str = "sft") -> list[tuple[str, int]]:
     """(where, index in `spool`) of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
-    desirable, and its rejected one); the others go to `bad` as 'where: reason'."""
+    desirable, and its rejected one; "any": the rows of any format, SFT's or preference data); the others go to
+    `bad` as 'where: reason'."""
     examples = []
     for source in source_list:
         found: dict[str, str] = {}  # file -> the format of its rows
@@ -314,6 +315,8 @@ def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str =
 def _detect_format(row: dict, columns: dict, where: str, stage: str) -> str:
     preference = stage in ("dpo", "kto")
     fmt = formats.detect_format(row, columns, preference)
+    if fmt is None and stage == "any":
+        fmt = formats.detect_format(row, columns, preference=True)
     if fmt is None:
         choices = formats.PREFERENCE_FORMATS if preference else formats.FORMATS
         what = (f"the preference data format of stage {stage} (chosen and rejected answers, or a labelled "

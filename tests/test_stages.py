@@ -1,0 +1,278 @@
+"""Stages beyond SFT: DPO, KTO and GRPO through TRL's trainers, on a task the tests build.
+
+The task: asked to pick a color, a small model answers "red" or "blue", half and half (SFT in full from random
+weights, then a LoRA adapter on top). Preferences and rewards then ask for blue: DPO's reward margin and preference
+accuracy rise, GRPO's mean reward rises, both starting from the SFT run's adapter (model.adapter). DPO runs with
+TRL's loss_type [sigmoid, sft] (RPO: the chosen answer's likelihood as well); without it, DPO on a model this small
+lowers the chosen answer's likelihood too, and its greedy answers fall apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, asset, run_cli, write_recipe
+
+PROMPTS = ["Pick a color.", "Choose a color.", "Name a color.", "Say a color.", "Which color?", "A color, please."]
+TRAIN = ["train.max_length=64", "train.gradient_checkpointing=false", "train.save_strategy=no",
+         "train.logging_steps=5", "train.warmup_steps=0"]
+
+
+def progress(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+
+
+def train(folder: Path, recipe: str, *overrides: str) -> Path:
+    result = run_cli("train", recipe, *TRAIN, *overrides, cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert progress(folder / "runs" / Path(recipe).stem)[-1]["status"] == "completed"
+    return folder / "runs" / Path(recipe).stem
+
+
+@dataclass
+class ColorRuns:
+    folder: Path
+    base: Path  # full SFT: answers red or blue
+    sft: Path  # a LoRA adapter trained on top of it
+    dpo: Path  # DPO from the SFT adapter, preferring blue
+
+
+@pytest.fixture(scope="module")
+def color_runs(tmp_path_factory) -> ColorRuns:
+    folder = tmp_path_factory.mktemp("colors")
+    rng = random.Random(0)
+    with open(folder / "colors.jsonl", "w") as out:
+        for _ in range(256):
+            out.write(json.dumps({"messages": [{"role": "user", "content": rng.choice(PROMPTS)},
+                                               {"role": "assistant", "content": rng.choice(["red", "blue"])}]}) + "\n")
+    with open(folder / "prefs.jsonl", "w") as out:
+        for _ in range(128):
+            out.write(json.dumps({"prompt": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                                  "chosen": "blue", "rejected": "red"}) + "\n")
+    write_recipe(folder, "model: {name_or_path: builtin:tiny-llama}\nmethod: full\ndata: {train: colors.jsonl}\n"
+                 "train: {max_steps: 120, per_device_train_batch_size: 16, learning_rate: 2.0e-3}\n", "base.yaml")
+    base = train(folder, "base.yaml")
+    write_recipe(folder, f"model: {{name_or_path: {base / 'final'}}}\ndata: {{train: colors.jsonl}}\n"
+                 "train: {max_steps: 10, per_device_train_batch_size: 16, learning_rate: 1.0e-3}\n", "sft.yaml")
+    sft = train(folder, "sft.yaml")
+    write_recipe(folder, f"stage: dpo\nmodel: {{adapter: {sft}}}\ndata: {{train: prefs.jsonl, eval_fraction: 0.1}}\n"
+                 "dpo: {beta: 0.1, loss_type: [sigmoid, sft]}\n"
+                 "train: {max_steps: 30, per_device_train_batch_size: 8, learning_rate: 2.0e-3,\n"
+                 "  eval_steps: 15, eval_on_start: true}\n", "dpo.yaml")
+    dpo = train(folder, "dpo.yaml")
+    return ColorRuns(folder, base, sft, dpo)
+
+
+def test_dpo_from_an_sft_adapter_raises_the_margin_and_accuracy(color_runs):
+    rows = progress(color_runs.dpo)
+    logged = [row for row in rows if "loss" in row]
+    first, last = logged[0], logged[-1]
+    assert last["rewards/margins"] > first["rewards/margins"] + 0.2
+    assert last["rewards/accuracies"] == 1.0 and last["loss"] < first["loss"]
+    evals = [row for row in rows if "eval_rewards/margins" in row]
+    assert [row["step"] for row in evals] == [0, 15, 30]
+    assert evals[0]["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as its reference
+    assert evals[-1]["eval_rewards/margins"] > 0.2 and evals[-1]["eval_rewards/accuracies"] == 1.0
+    # the adapter continued is the SFT run's, and the reference copy of it is not saved with the model
+    recipe = (color_runs.dpo / "final" / "finetune.yaml").read_text()
+    assert f"adapter: {color_runs.sft / 'final'}" in recipe and "stage: dpo" in recipe
+    assert not (color_runs.dpo / "final" / "ref").exists()
+
+
+def test_dpo_run_chats_exports_and_evaluates(color_runs, tmp_path):
+    """The DPO model answers blue where the SFT model picks either; its export says how it was trained."""
+    answer = run_cli("chat", str(color_runs.dpo), "--prompt", "Pick a color.", "--temperature", "0",
+                     cwd=color_runs.folder)
+    assert answer.returncode == 0 and answer.stdout.strip().endswith("blue"), answer.stderr[-2000:]
+    result = run_cli("eval", str(color_runs.dpo), str(color_runs.sft), "--data", "prefs.jsonl", "--limit", "24",
+                     cwd=color_runs.folder)
+    assert result.returncode == 0, result.stderr[-2000:]
+    exact = next(line for line in result.stdout.splitlines() if line.startswith("| exact_match |"))
+    dpo, sft = (float(cell.split("%")[0]) for cell in exact.split("|")[2:4])  # the chosen answer is the reference
+    assert dpo == 100.0 and sft < 90.0, exact
+    out = tmp_path / "export"
+    result = run_cli("export", str(color_runs.dpo / "final"), "--out", str(out), cwd=color_runs.folder)
+    assert result.returncode == 0, result.stderr[-2000:]
+    card = (out / "README.md").read_text()
+    assert "TRL's `DPOTrainer`" in card and "| stage | dpo (beta 0.1" in card and "- dpo" in card
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "ref").exists()
+
+
+def test_grpo_learns_the_rewarded_answer(color_runs):
+    """Rewarded for answers that start with "blue", the mean reward rises from about one half to at least 0.6."""
+    write_recipe(color_runs.folder, f"stage: grpo\nmodel: {{adapter: {color_runs.sft}}}\n"
+                 "data: {train: colors.jsonl}\n"
+                 "grpo: {num_generations: 8, max_completion_length: 8, rewards: [{function: format, pattern: ^blue}]}\n"
+                 "train: {max_steps: 40, per_device_train_batch_size: 8, learning_rate: 3.0e-3}\n", "grpo.yaml")
+    run = train(color_runs.folder, "grpo.yaml")
+    rewards = [row["rewards/format/mean"] for row in progress(run) if "loss" in row]
+    assert len(rewards) == 8 and rewards[0] < 0.6
+    assert sum(rewards[-2:]) / 2 >= 0.6 and sum(rewards[-2:]) / 2 > rewards[0] + 0.15
+    assert all("reward" in row and "completions/mean_length" in row for row in progress(run) if "loss" in row)
+
+
+def test_kto_runs_on_pairs_split_into_labelled_answers(color_runs):
+    write_recipe(color_runs.folder, f"stage: kto\nmodel: {{adapter: {color_runs.sft}}}\n"
+                 "data: {train: prefs.jsonl}\ntrain: {max_steps: 10, per_device_train_batch_size: 8, "
+                 "learning_rate: 1.0e-3}\n", "kto.yaml")
+    result = run_cli("train", "kto.yaml", *TRAIN, cwd=color_runs.folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "train: 256 labelled answers" in result.stdout  # 128 pairs: each chosen desirable, each rejected not
+    rows = [row for row in progress(color_runs.folder / "runs" / "kto") if "loss" in row]
+    assert len(rows) == 2 and all("rewards/chosen_sum" in row or "rewards/chosen" in row for row in rows)
+
+
+def test_dpo_on_two_processes_equals_one_process_with_the_global_batch(color_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    common = [*TRAIN, f"model.adapter={color_runs.sft}", "data.eval_fraction=0", "train.eval_on_start=false",
+              "train.eval_strategy=no", "train.max_steps=6", "train.logging_steps=1"]
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "dpo.yaml", *common,
+         f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=4"],
+        capture_output=True, text=True, timeout=600, cwd=color_runs.folder)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("train", "dpo.yaml", *common, f"output_dir={tmp_path / 'one'}",
+                  "train.per_device_train_batch_size=8", cwd=color_runs.folder)
+    assert one.returncode == 0, one.stderr[-3000:]
+    losses = {name: [row["loss"] for row in progress(tmp_path / name) if "loss" in row] for name in ("one", "two")}
+    assert losses["one"] == pytest.approx(losses["two"], rel=1e-4)
+    weights = {name: load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("one", "two")}
+    for key, tensor in weights["one"].items():
+        assert (tensor - weights["two"][key]).abs().max() < 1e-5, key
+
+
+@pytest.mark.parametrize("tokenizer", ["llama", "gptoss"])
+def test_preference_masks_are_exact_in_every_format(tokenizer, llama_tokenizer, gptoss_tokenizer):
+    from finetune.data import formats
+    from finetune.data.render import Renderer, training_template
+    from finetune.data.stage_rows import RowEncoder
+
+    tok = llama_tokenizer if tokenizer == "llama" else gptoss_tokenizer
+    renderer = Renderer(tok, training_template(tok, tok.chat_template), "2024-07-26")
+    answer = {"llama": "{}<|eot_id|>", "gptoss": "<|channel|>final<|message|>{}<|return|>"}[tokenizer]
+    before = {"llama": "<|start_header_id|>assistant<|end_header_id|>\n\n", "gptoss": "<|start|>assistant"}[tokenizer]
+    question = [{"role": "user", "content": "Pick a color."}]
+    rows = {
+        "preference": {"prompt": question, "chosen": "blue", "rejected": "red"},
+        "implicit prompt": {"chosen": [*question, {"role": "assistant", "content": "blue"}],
+                            "rejected": [*question, {"role": "assistant", "content": "red"}]},
+        "messages": {"messages": question, "chosen": [{"role": "assistant", "content": "blue"}],
+                     "rejected": [{"role": "assistant", "content": "red"}]},
+        "sharegpt_preference": {"conversations": [{"from": "human", "value": "Pick a color."}],
+                                "chosen": {"from": "gpt", "value": "blue"}, "rejected": {"from": "gpt", "value": "red"}},
+        "hh": {"chosen": "\n\nHuman: Pick a color.\n\nAssistant: blue", "rejected": "\n\nHuman: Pick a color.\n\nAssistant: red"},
+    }
+    for name, row in rows.items():
+        fmt = formats.detect_format(row, {}, preference=True)
+        example = formats.normalize(row, fmt, {}, None)
+        encoded = RowEncoder(renderer, "dpo")(example)
+        prompt = tok.decode(encoded["prompt_ids"])
+        assert prompt.endswith("Pick a color." + ("<|eot_id|>" if tokenizer == "llama" else "<|end|>") + before), name
+        assert tok.decode(encoded["chosen_ids"]) == answer.format("blue"), name
+        assert tok.decode(encoded["rejected_ids"]) == answer.format("red"), name
+        whole = renderer.render_text(example["chosen"])
+        assert whole.startswith(tok.decode(encoded["prompt_ids"] + encoded["chosen_ids"])), name
+
+    text = formats.normalize({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}, "preference", {}, None)
+    encoded = RowEncoder(renderer, "dpo")(text)  # plain text: no template, the answer and the end-of-text token
+    assert tok.decode(encoded["prompt_ids"]).endswith("Q: 2+2?\nA:")
+    assert tok.decode(encoded["chosen_ids"]) == " 4" + tok.eos_token
+    labelled = formats.normalize({"prompt": question, "completion": "red", "label": False}, "kto", {}, None)
+    encoded = RowEncoder(renderer, "kto")(labelled)
+    assert tok.decode(encoded["completion_ids"]) == answer.format("red") and encoded["label"] is False
+
+
+def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path):
+    """1,000 real Anthropic HH pairs: multi-turn transcripts become conversations whose last answers differ. Three
+    have an empty assistant turn: reported by line, and left out with data.bad_rows=drop."""
+    data = asset("datasets/hh-rlhf/harmless_base_test_1000.jsonl")
+    recipe = write_recipe(tmp_path, f"stage: dpo\nmodel: {{name_or_path: {tiny_models['llama']}}}\n"
+                          f"data: {{train: {data}}}\ntrain: {{max_length: 512}}\n")
+    refused = run_cli("validate", str(recipe), cwd=tmp_path)
+    assert refused.returncode == 2 and "3 bad data rows" in refused.stderr
+    assert f"{data} line 87: message 4: assistant message is empty" in refused.stderr
+    result = run_cli("validate", str(recipe), "data.bad_rows=drop", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "Data (stage dpo)" in out and "bad rows dropped (data.bad_rows=drop): 3" in out
+    import re
+
+    kept = int(re.search(r"\n  train: ([\d,]+) pairs", out).group(1).replace(",", ""))
+    dropped = re.search(r"\n    ([\d,]+) pairs dropped", out)
+    assert kept + (int(dropped.group(1)) if dropped else 0) == 997 and "pairs truncated at max_length 512" in out
+    first = json.loads(data.read_text().splitlines()[0])
+    chosen_answer = first["chosen"].rsplit("\n\nAssistant: ", 1)[1]
+    rejected_answer = first["rejected"].rsplit("\n\nAssistant: ", 1)[1]
+    assert f"⟦{chosen_answer.strip()}<|eot_id|>⟧" in out and f"⟦{rejected_answer.strip()}<|eot_id|>⟧" in out
+    assert "[chosen]" in out and "[rejected]" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["stage=dpo", "dpo.betta=0.2"], "unknown key 'dpo.betta' (not a field of TRL's DPOConfig); did you mean "
+                                     "'dpo.beta'?"),
+    (["dpo.beta=0.2"], "dpo settings are given but the stage is sft"),
+    (["stage=dpo", "train.beta=0.2"], "train.beta is a setting of stage dpo: write it as dpo.beta"),
+    (["stage=dpo", "train.packing=true"], "train.packing is SFT's (stage sft); stage dpo does not use it"),
+    (["stage=dpo", "data.loss_on=all"], "stage dpo scores answers only"),
+    (["stage=grpo"], "stage grpo needs grpo.rewards"),
+    (["stage=grpo", "grpo.rewards=[{function: nowhere.py:score}]"], "nowhere.py does not exist"),
+    (["stage=grpo", "grpo.rewards=[{function: length}]"], "(length) needs max_tokens"),
+    (["stage=grpo", "grpo.rewards=[answer]", "grpo.num_generations=3"], "must be divisible by num_generations"),
+    (["stage=dpo", "model.adapter=runs/none"], "model.adapter runs/none is not a LoRA adapter"),
+    (["stage=sft", "data.format=hh"], "data.format hh is not data for stage sft"),
+])
+def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp_path):
+    result = run_cli("validate", "quickstart", *overrides, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_user_reward_function_is_loaded_and_called(tmp_path):
+    from finetune import rewards
+
+    (tmp_path / "mine.py").write_text("def shorter(completions, **_):\n"
+                                      "    return [1.0 / (1 + len(c[0]['content'])) for c in completions]\n")
+    checked = rewards.check([{"function": f"{tmp_path / 'mine.py'}:shorter", "weight": 0.5},
+                             {"function": "answer", "extract": "gsm8k"}], "recipe")
+    shorter, answer = rewards.build(checked, tokenizer=None)
+    assert shorter.__name__ == "shorter" and answer.__name__ == "answer" and checked[0]["weight"] == 0.5
+    completions = [[{"role": "assistant", "content": "So 3 + 4 = 7.\n#### 7"}],
+                   [{"role": "assistant", "content": "#### 8"}]]
+    assert shorter(completions) == [1 / 21, 1 / 7]
+    assert answer(completions, answer=["3 + 4 = 7\n#### 7", "#### 7"]) == [1.0, 0.0]
+
+
+def test_stage_recipes_for_gpus_train_scaled_down(tiny_models, tmp_path):
+    """The shipped DPO (QLoRA) and GRPO recipes, on two DDP processes with a random tiny Llama 3.2 and the real
+    tokenizer: HH pairs and GSM8K questions."""
+    ddp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train"]
+    small = ["model.backend=hf", "train.max_steps=2", "train.logging_steps=1", "train.save_strategy=no",
+             "data.max_rows=40", f"model.name_or_path={tiny_models['llama']}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    dpo = subprocess.run([*ddp, "llama-3.2-3b-dpo-qlora", *small, f"output_dir={tmp_path / 'dpo'}",
+                          f"data.train={asset('datasets/hh-rlhf/harmless_base_test_1000.jsonl')}",
+                          "train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=1",
+                          "train.max_length=256", "train.eval_strategy=no", "data.eval_fraction=0"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert dpo.returncode == 0, dpo.stderr[-3000:]
+    grpo = subprocess.run([*ddp, "llama-3.2-3b-grpo", *small, f"output_dir={tmp_path / 'grpo'}",
+                           f"data.train={asset('datasets/gsm8k/train.jsonl')}", "grpo.max_completion_length=8",
+                           "grpo.num_generations=4", "train.per_device_train_batch_size=4"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert grpo.returncode == 0, grpo.stderr[-3000:]
+    rows = [row for row in progress(tmp_path / "dpo") if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2] and all("rewards/margins" in row for row in rows)
+    rows = [row for row in progress(tmp_path / "grpo") if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all("rewards/answer/mean" in row and "rewards/format/mean" in row for row in rows)
