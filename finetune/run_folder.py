@@ -2,7 +2,8 @@
 
     finetune.yaml          the resolved recipe (also in every checkpoint-N/ and in final/)
     progress.jsonl         one JSON object per line: training rows (TRAIN_KEYS), eval rows (EVAL_KEYS), a row for
-                           each time the run resumed ({"resumed": ...}), and last the final status row (STATUSES)
+                           each time the run resumed ({"resumed": ...}), and last the final status row (STATUSES);
+                           the rows of DPO, KTO and GRPO also carry their own metrics (is_stage_metric)
     train.log              the plain-text log
     checkpoint-N/          Trainer checkpoints; one is complete, and may be used, once its finetune_state.json
                            (written last) is there
@@ -41,6 +42,22 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 TRAIN_KEYS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens", "trained_tokens",
               "total_steps", "peak_memory_gb", "elapsed_s")
 EVAL_KEYS = ("eval_loss", "eval_mean_token_accuracy")
+STAGE_METRICS = ("reward", "reward_std", "kl", "completions/mean_length", "completions/clipped_ratio")
+
+
+def is_stage_metric(key: str) -> bool:
+    """The metrics of the preference and reward stages that progress.jsonl keeps: DPO's and KTO's rewards/chosen,
+    rewards/rejected, rewards/margins and rewards/accuracies; GRPO's reward, rewards/<function>/mean and /std and
+    its answers' length; and their eval_ versions."""
+    key = key.removeprefix("eval_")
+    return key.startswith("rewards/") or key in STAGE_METRICS
+
+
+def plotted_stage_metric(key: str) -> bool:
+    """The stage metrics the panel plots: DPO's and KTO's margins and accuracies, GRPO's reward and each
+    function's mean reward."""
+    return key in ("rewards/margins", "rewards/accuracies", "reward") or (
+        key.startswith("rewards/") and key.endswith("/mean"))
 STATUSES = ("completed", "stopped", "failed")
 
 

@@ -31,7 +31,7 @@ from finetune import faults
 from finetune.data.render import IGNORE
 from finetune.data.sampler import SimilarLengthSampler
 from finetune.errors import RunFailed
-from finetune.run_folder import EVAL_KEYS, RunFolder, latest_checkpoint
+from finetune.run_folder import EVAL_KEYS, RunFolder, is_stage_metric, latest_checkpoint
 
 logger = logging.getLogger("finetune")
 
@@ -285,17 +285,6 @@ class ProgressCallback(TrainerCallback):
         self.run_folder.append(row)
         if self.also is not None:
             self.also(row)
-
-
-STAGE_METRICS = ("reward", "reward_std", "kl", "completions/mean_length", "completions/clipped_ratio")
-
-
-def is_stage_metric(key: str) -> bool:
-    """The metrics of the preference and reward stages that progress.jsonl keeps: DPO's and KTO's rewards/chosen,
-    rewards/rejected, rewards/margins and rewards/accuracies; GRPO's reward, rewards/<function>/mean and its
-    completions' length; and their eval_ versions."""
-    key = key.removeprefix("eval_")
-    return key.startswith("rewards/") or key in STAGE_METRICS
 
 
 def peak_memory_gb() -> float:

@@ -21,7 +21,8 @@ from tests.conftest import REPO, run_cli
 
 gradio_client = pytest.importorskip("gradio_client", reason="the panel's extra is not installed: pip install -e '.[ui]'")
 pytestmark = pytest.mark.integration
-FIELDS = ["builtin:tiny-llama", "builtin:greetings", "0.001", "8", "", "256"]  # model, data, lr, epochs, r, length
+# model, data, lr, epochs, r, length, stage, adapter
+FIELDS = ["builtin:tiny-llama", "builtin:greetings", "0.001", "8", "", "256", "", ""]
 LONG_RUN = "train.max_steps=2000\ntrain.eval_on_start=false\ntrain.logging_steps=2\ntrain.save_strategy=no"
 ARTIFACTS = Path(os.environ.get("FINETUNE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 

@@ -42,7 +42,7 @@ class ColorRuns:
     folder: Path
     base: Path  # full SFT: answers red or blue
     sft: Path  # a LoRA adapter trained on top of it
-    dpo: Path  # DPO from the SFT adapter, preferring blue
+    dpo: Path  # DPO from the SFT adapter, preferring blue (and grpo.yaml, rewarding blue, written beside)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,9 @@ def color_runs(tmp_path_factory) -> ColorRuns:
                  "train: {max_steps: 30, per_device_train_batch_size: 8, learning_rate: 2.0e-3,\n"
                  "  eval_steps: 15, eval_on_start: true}\n", "dpo.yaml")
     dpo = train(folder, "dpo.yaml")
+    write_recipe(folder, f"stage: grpo\nmodel: {{adapter: {sft}}}\ndata: {{train: colors.jsonl}}\n"
+                 "grpo: {num_generations: 8, max_completion_length: 8, rewards: [{function: format, pattern: ^blue}]}\n"
+                 "train: {max_steps: 40, per_device_train_batch_size: 8, learning_rate: 3.0e-3}\n", "grpo.yaml")
     return ColorRuns(folder, base, sft, dpo)
 
 
@@ -108,10 +111,6 @@ def test_dpo_run_chats_exports_and_evaluates(color_runs, tmp_path):
 
 def test_grpo_learns_the_rewarded_answer(color_runs):
     """Rewarded for answers that start with "blue", the mean reward rises from about one half to at least 0.6."""
-    write_recipe(color_runs.folder, f"stage: grpo\nmodel: {{adapter: {color_runs.sft}}}\n"
-                 "data: {train: colors.jsonl}\n"
-                 "grpo: {num_generations: 8, max_completion_length: 8, rewards: [{function: format, pattern: ^blue}]}\n"
-                 "train: {max_steps: 40, per_device_train_batch_size: 8, learning_rate: 3.0e-3}\n", "grpo.yaml")
     run = train(color_runs.folder, "grpo.yaml")
     rewards = [row["rewards/format/mean"] for row in progress(run) if "loss" in row]
     assert len(rewards) == 8 and rewards[0] < 0.6
@@ -128,6 +127,29 @@ def test_kto_runs_on_pairs_split_into_labelled_answers(color_runs):
     assert "train: 256 labelled answers" in result.stdout  # 128 pairs: each chosen desirable, each rejected not
     rows = [row for row in progress(color_runs.folder / "runs" / "kto") if "loss" in row]
     assert len(rows) == 2 and all("rewards/chosen_sum" in row or "rewards/chosen" in row for row in rows)
+
+
+@pytest.mark.parametrize("stage", ["dpo", "grpo"])
+def test_a_resumed_run_ends_where_the_uninterrupted_one_did(stage, color_runs, tmp_path):
+    """Resumed from its step-3 checkpoint, a run trains steps 4 to 6 again exactly as it did (GRPO: the same
+    answers sampled too, the random state restored)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    common = [*TRAIN, "data.eval_fraction=0", "train.eval_on_start=false", "train.eval_strategy=no",
+              "train.max_steps=6", "train.logging_steps=1", "train.save_strategy=steps", "train.save_steps=3",
+              f"output_dir={run}"]
+    first = run_cli("train", f"{stage}.yaml", *common, cwd=color_runs.folder)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = [row for row in progress(run) if "loss" in row]
+    reference = load_file(run / "final" / "adapter_model.safetensors")
+    resumed = run_cli("train", f"{stage}.yaml", *common, "--resume", str(run / "checkpoint-3"), cwd=color_runs.folder)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = [row for row in progress(run) if "loss" in row]
+    assert [row["step"] for row in after] == [1, 2, 3, 4, 5, 6]
+    assert [row["loss"] for row in after] == pytest.approx([row["loss"] for row in before], abs=1e-6)
+    weights = load_file(run / "final" / "adapter_model.safetensors")
+    assert max((weights[key] - reference[key]).abs().max().item() for key in reference) <= 1e-6
 
 
 def test_dpo_on_two_processes_equals_one_process_with_the_global_batch(color_runs, tmp_path):
@@ -276,3 +298,33 @@ def test_stage_recipes_for_gpus_train_scaled_down(tiny_models, tmp_path):
     rows = [row for row in progress(tmp_path / "grpo") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2]
     assert all("rewards/answer/mean" in row and "rewards/format/mean" in row for row in rows)
+
+
+def test_panel_plots_a_stage_and_validates_the_stage_chosen(color_runs, tmp_path):
+    """The Live tab plots DPO's margins and accuracies; the Train tab's stage goes into the recipe and its data is
+    checked as that stage's."""
+    import shutil
+
+    from tests.test_panel import FIELDS, Panel
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(color_runs.dpo, workspace / "runs" / "dpo")
+    panel = Panel(workspace)
+    try:
+        shown = panel.client.predict("dpo", api_name="/progress")
+        assert "dpo · completed" in shown[0]
+        plot = shown[5]
+        metric = plot["columns"].index("metric")
+        assert {row[metric] for row in plot["data"]} == {"rewards/margins", "rewards/accuracies"}
+        assert len(plot["data"]) == 2 * len([row for row in progress(color_runs.dpo) if "loss" in row])
+        prefs = color_runs.folder / "prefs.jsonl"
+        fields = ["", str(prefs), *FIELDS[2:6], "dpo", str(color_runs.sft)]  # the base: the adapter's
+        checked = panel.client.predict("quickstart", "one process (finetune train)", "d1", *fields, "method=lora",
+                                       api_name="/validate")
+        assert checked[1] == "✓ The recipe and its data are valid." and "Data (stage dpo)" in checked[0]
+        fields[6] = "grpo"
+        refused = panel.client.predict("quickstart", "one process (finetune train)", "d1", *fields, "method=lora",
+                                       api_name="/validate")
+        assert "stage grpo needs grpo.rewards" in refused[1]
+    finally:
+        panel.close()

@@ -14,6 +14,7 @@ import sys
 import gradio as gr
 import pandas as pd
 
+from finetune import run_folder
 from finetune.evaluate import DEFAULT_METRICS, METRICS, shown_value
 from finetune.tracking import recorded
 from ui.chat_models import ChatModels
@@ -43,7 +44,8 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                                        value=ONE_PROCESS, label="Launch with", scale=1)
             with gr.Row():
                 run_name = gr.Textbox(label="Run name", placeholder="empty: a fresh run-DATE-TIME")
-                fields = {label: gr.Textbox(label=label) for label in FIELDS}
+                fields = {label: gr.Dropdown(STAGE_CHOICES, value="", label=label) if label == "stage"
+                          else gr.Textbox(label=label) for label in FIELDS}
             extra = gr.Textbox(label="More settings (key=value, one per line)", lines=2,
                                placeholder="train.max_steps=200\ntrain.per_device_train_batch_size=4")
             with gr.Row():
@@ -71,6 +73,8 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
                                         height=260)
                 lr_plot = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", y_title="learning rate",
                                       y_axis_format=".1e", height=260)
+            stage_plot = gr.LinePlot(x="step", y="value", color="metric", title="Rewards (DPO, KTO, GRPO)",
+                                     y_title="value", y_axis_format=".3f", height=260)
             samples_view = gr.Dataframe(label="Answers to held-out prompts at the last two evaluations (eval.samples; "
                                         "… ran to the token limit)", interactive=False, wrap=True)
             log_tail = gr.Code(label="Log", language="shell", interactive=False, lines=12)
@@ -217,15 +221,15 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
         # Live
         def live(name):
             if not name:
-                return "No run selected.", None, None, None, ""
+                return "No run selected.", None, None, None, "", None
             try:
                 info = workspace.run(name)
             except PanelError as error:
-                return f"⚠ {error}", None, None, None, ""
+                return f"⚠ {error}", None, None, None, "", None
             # float columns even while empty: a plot's first frame fixes its axes' types
             frame = pd.DataFrame(info.train_rows, columns=["step", "loss", "learning_rate"]).astype(float)
             return (_status_card(info), frame, frame, pd.DataFrame(info.samples) if info.samples else None,
-                    workspace.console_tail(name))
+                    workspace.console_tail(name), _stage_frame(info.train_rows))
 
         def stop(name):
             if not name:
@@ -247,7 +251,7 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
             note = f" (unloaded {unloaded} chat model{'s' if unloaded > 1 else ''})" if unloaded else ""
             return _status_card(workspace.run(name)) + f"\n\nResumed from its newest complete checkpoint{note}."
 
-        live_outputs = [live_status, loss_plot, lr_plot, samples_view, log_tail]
+        live_outputs = [live_status, loss_plot, lr_plot, samples_view, log_tail, stage_plot]
         live_run.change(live, live_run, live_outputs, api_name="progress")
         timer.tick(live, live_run, live_outputs, show_progress="hidden")
         timer.tick(models.release_idle, None, None, show_progress="hidden")
@@ -393,6 +397,17 @@ def _shell_lines(command: list[str]) -> str:
 
 def _accelerate(choice: str) -> str | None:
     return None if choice == ONE_PROCESS else choice
+
+
+STAGE_CHOICES = [("as in the recipe", ""), ("sft: supervised", "sft"), ("dpo: preference pairs", "dpo"),
+                 ("kto: labelled answers", "kto"), ("grpo: rewards", "grpo")]
+
+
+def _stage_frame(rows: list[dict]) -> pd.DataFrame | None:
+    """DPO's and KTO's reward margins and accuracies, GRPO's rewards, one line per metric; None for SFT."""
+    points = [{"step": float(row["step"]), "metric": key, "value": float(value)}
+              for row in rows for key, value in row.items() if run_folder.plotted_stage_metric(key)]
+    return pd.DataFrame(points) if points else None
 
 
 def _launcher_choice(name: str) -> tuple[str, str]:

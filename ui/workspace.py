@@ -43,6 +43,8 @@ FIELDS = {  # the recipe keys the Train tab edits, by label
     "epochs": "train.num_train_epochs",
     "LoRA rank": "lora.r",
     "max length": "train.max_length",
+    "stage": "stage",
+    "continue the adapter of (a run folder)": "model.adapter",
 }
 
 
