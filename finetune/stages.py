@@ -105,6 +105,19 @@ def resolve_section(stage: str, given: dict[str, Any], origin, suggest) -> dict[
     return values
 
 
+def check_device_options(recipe, cuda: bool) -> None:
+    """Stage options that need what only some machines have, checked on the machine that trains."""
+    if recipe.stage == "grpo" and recipe.grpo.get("use_vllm"):
+        import importlib.util
+
+        if not cuda:
+            raise UserError("grpo.use_vllm generates with vLLM, which needs a CUDA GPU, and this run trains on the "
+                            "CPU; remove it (transformers' generate is used then)")
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError("grpo.use_vllm needs vLLM: pip install vllm (or remove it: transformers' generate is "
+                            "used then)")
+
+
 def section_keys() -> list[str]:
     """Every stage section's keys, dotted (for suggestions)."""
     keys = []

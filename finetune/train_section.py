@@ -105,9 +105,12 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
         names = {f.name for f in dataclasses.fields(config)}
         values = {key: value for key, value in sft_values(train).items() if key in names}
         stage_values = {key: value for key, value in (section or {}).items() if key != "rewards"}
-        config(output_dir=output_dir, **values, **stage_values, use_cpu=True)
+        config(output_dir=output_dir, **{**values, **stage_values, "use_cpu": True})
     except ValueError as error:
         raise UserError(f"{origin(stage if stage != 'sft' else 'train')}: {error}") from None
+    except Exception as error:  # other checks of the config's (a settings file that is not there, a bad count)
+        raise UserError(f"{origin(stage if stage != 'sft' else 'train')}: TRL's {config.__name__} does not take "
+                        f"these settings: {type(error).__name__}: {error}") from None
     return train
 
 

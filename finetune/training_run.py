@@ -18,7 +18,7 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends, memory_plan, resuming, rewards
+from finetune import backends, memory_plan, resuming, rewards, stages
 from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
@@ -66,6 +66,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     backend, why = backends.resolve(recipe.model.backend)
     backends.check_launch(backend, state.distributed_type.value)
     check_device_options(recipe.train, cuda=torch.cuda.is_available())
+    stages.check_device_options(recipe, cuda=torch.cuda.is_available() and not trains_on_cpu(recipe.train))
     micro, accumulation = _batch_split(recipe, state)
     precision = training_precision(recipe.train)
     # On each machine its main process builds builtins and prepares the data first; the others then read them.

@@ -112,7 +112,9 @@ def test_inputs_that_only_look_odd_are_accepted(name, filename, content, tmp_pat
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 keys = st.sampled_from(["model.name_or_path", "method", "lora.r", "lora.dropout", "data.train", "data.columns",
                         "train.learning_rate", "train.num_train_epochs", "train.max_length", "output_dir", "x.y",
-                        "train", "data", "lora.target_modules", "data.template_kwargs"])
+                        "train", "data", "lora.target_modules", "data.template_kwargs", "stage", "dpo.beta",
+                        "dpo.loss_type", "kto.desirable_weight", "grpo.num_generations", "grpo.rewards", "model.adapter",
+                        "train.use_cpu", "train.deepspeed", "train.accelerator_config"])
 values = st.one_of(st.text(max_size=12), st.integers(-10**12, 10**12).map(str), st.floats().map(str),
                    st.sampled_from(["[1, 2", "{a: 1}", "null", "~", "true", "no", "1e99", "-0", ".nan", "'x"]))
 

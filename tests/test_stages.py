@@ -259,6 +259,12 @@ def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp
     assert "Traceback" not in result.stderr
 
 
+def test_vllm_generation_is_refused_on_the_cpu(color_runs):
+    result = run_cli("train", "grpo.yaml", *TRAIN, "grpo.use_vllm=true", "output_dir=runs/vllm", cwd=color_runs.folder)
+    assert result.returncode == 2 and "grpo.use_vllm generates with vLLM, which needs a CUDA GPU" in result.stderr
+    assert not (color_runs.folder / "runs" / "vllm").exists()
+
+
 def test_user_reward_function_is_loaded_and_called(tmp_path):
     from finetune import rewards
 
