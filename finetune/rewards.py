@@ -2,7 +2,8 @@
 
     {function: answer, extract: gsm8k}        1 when the answer, extracted (gsm8k | last-number | none |
                                               regex:PATTERN, as `finetune eval --extract`), equals the reference's
-    {function: format, pattern: REGEX}        1 when the answer matches the regular expression (re.search, dotall)
+    {function: format, pattern: REGEX}        1 when the answer matches the regular expression (re.search, dotall),
+                                              special tokens included (harmony's <|channel|>final<|message|>)
     {function: length, max_tokens: N}         1 up to N tokens, falling to 0 at 2N
     {function: path/to/file.py:name}          your function, TRL's signature: name(completions, **columns) -> floats
 
@@ -126,23 +127,42 @@ def answer_text(completion) -> str:
     return completion
 
 
+def _raw_texts(tokenizer, completions, completion_ids) -> list[str]:
+    """The answers as generated, special tokens included (harmony's channels), without the end token that closed
+    them: what the built-in rewards read. TRL's text drops the special tokens."""
+    if tokenizer is None or completion_ids is None:
+        return [answer_text(completion) for completion in completions]
+    special = set(tokenizer.all_special_ids)
+    texts = []
+    for ids in completion_ids:
+        ids = list(ids)
+        while ids and ids[-1] in special:
+            ids.pop()
+        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+    return texts
+
+
 def _builtin(reward: dict[str, Any], tokenizer) -> Callable:
     from finetune.evaluate import extract_answer
 
     if reward["function"] == "answer":
         extract = reward["extract"]
 
-        def answer(completions, answer, **_):
+        def answer(completions, answer, completion_ids=None, **_):
             scores = []
-            for completion, reference in zip(completions, answer):
-                mine, theirs = extract_answer(answer_text(completion), extract), extract_answer(reference, extract)
+            for text, reference in zip(_raw_texts(tokenizer, completions, completion_ids), answer):
+                mine, theirs = extract_answer(text, extract), extract_answer(reference, extract)
                 scores.append(float(mine is not None and mine == theirs))
             return scores
 
         return answer
     if reward["function"] == "format":
         pattern = re.compile(reward["pattern"], re.S)
-        return lambda completions, **_: [float(bool(pattern.search(answer_text(c)))) for c in completions]
+
+        def format(completions, completion_ids=None, **_):
+            return [float(bool(pattern.search(text))) for text in _raw_texts(tokenizer, completions, completion_ids)]
+
+        return format
     limit = reward["max_tokens"]
 
     def length(completions, completion_ids, **_):

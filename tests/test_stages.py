@@ -253,16 +253,35 @@ def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path):
     (["stage=dpo", "model.adapter=runs/none"], "model.adapter runs/none is not a LoRA adapter"),
     (["stage=sft", "data.format=hh"], "data.format hh is not data for stage sft"),
 ])
-def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp_path):
-    result = run_cli("validate", "quickstart", *overrides, cwd=tmp_path)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp_path, monkeypatch, capsys):
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "quickstart", *overrides]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_vllm_generation_is_refused_on_the_cpu(color_runs):
     result = run_cli("train", "grpo.yaml", *TRAIN, "grpo.use_vllm=true", "output_dir=runs/vllm", cwd=color_runs.folder)
     assert result.returncode == 2 and "grpo.use_vllm generates with vLLM, which needs a CUDA GPU" in result.stderr
     assert not (color_runs.folder / "runs" / "vllm").exists()
+
+
+def test_format_reward_sees_harmony_channels(gptoss_tokenizer):
+    """GPT-OSS answers in channels: a format reward can ask for a final-channel message, which TRL's text (special
+    tokens dropped) no longer shows."""
+    from finetune import rewards
+
+    checked = rewards.check([{"function": "format", "pattern": r"<\|channel\|>final<\|message\|>\S"},
+                             {"function": "answer", "extract": "last-number"}], "recipe")
+    format_reward, answer = rewards.build(checked, gptoss_tokenizer)
+    generated = ["<|channel|>analysis<|message|>3 + 4 = 7.<|end|><|start|>assistant<|channel|>final<|message|>7"
+                 "<|return|>", "<|channel|>analysis<|message|>3 + 4 is 8<|return|>"]
+    ids = [gptoss_tokenizer(text, add_special_tokens=False)["input_ids"] for text in generated]
+    completions = [[{"role": "assistant", "content": gptoss_tokenizer.decode(i, skip_special_tokens=True)}]
+                   for i in ids]
+    assert format_reward(completions, completion_ids=ids) == [1.0, 0.0]
+    assert answer(completions, answer=["#### 7", "#### 7"], completion_ids=ids) == [1.0, 0.0]
 
 
 def test_user_reward_function_is_loaded_and_called(tmp_path):
