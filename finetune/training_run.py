@@ -8,6 +8,7 @@ Import this module only after `backends.import_first` (Unsloth must come before 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -51,7 +52,11 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
         state.wait_for_everyone()  # no process tears the group down while another still uses it
         return status
     finally:
-        state.destroy_process_group()  # gloo and NCCL threads still alive at exit abort the process
+        # The trainer lives on in reference cycles, its DDP wrapper holding the process group's last work: freed
+        # at interpreter exit, that aborts the process. Free it now, then end the group (whose threads, still alive
+        # at exit, abort it too).
+        gc.collect()
+        state.destroy_process_group()
 
 
 def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:

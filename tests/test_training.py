@@ -184,15 +184,19 @@ def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_two_runs_in_one_process_keep_their_logs_apart_and_leave_no_handlers(tmp_path):
+def test_two_runs_in_one_process_keep_their_logs_apart_and_leave_nothing_behind(tmp_path):
+    """Nor the trainer: under DDP it holds the process group's last work, and freed only when the interpreter
+    exits, that aborts the process ("terminate called without an active exception") after a completed run."""
     script = f"""
-import logging, signal
+import gc, logging, signal
+import transformers
 from finetune.training_run import run
 handlers = lambda: {{name: list(logging.getLogger(name).handlers) for name in ("finetune", "transformers", "trl")}}
 before = handlers(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
 for name in ("first", "second"):
     run("quickstart", ["output_dir={tmp_path}/" + name, *{SHORT!r}])
 assert (handlers(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+assert not [thing for thing in gc.get_objects() if isinstance(thing, transformers.Trainer)]
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
