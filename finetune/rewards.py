@@ -104,10 +104,10 @@ def build(rewards: list[dict[str, Any]], tokenizer) -> list[Callable]:
     for reward in rewards:
         function = _builtin(reward, tokenizer) if reward["function"] in BUILTIN else _user_function(
             reward["function"], "grpo.rewards")
-        name = reward["function"] if reward["function"] in BUILTIN else function.__name__
+        name = function.__name__
         seen[name] = seen.get(name, 0) + 1
-        if reward["function"] in BUILTIN or seen[name] > 1:
-            function = _named(function, name if seen[name] == 1 else f"{name}_{seen[name]}")
+        if seen[name] > 1:  # TRL logs each reward by its name: a second use of one gets a name of its own
+            function = _named(function, f"{name}_{seen[name]}")
         functions.append(function)
     return functions
 

@@ -214,6 +214,27 @@ def test_preference_masks_are_exact_in_every_format(tokenizer, llama_tokenizer, 
     assert tok.decode(encoded["completion_ids"]) == answer.format("red") and encoded["label"] is False
 
 
+def test_reasoning_is_part_of_each_preferred_answer(gptoss_tokenizer):
+    """GPT-OSS pairs with reasoning: the analysis channel is scored with the answer it leads to. With
+    data.train_thinking: false it would be prompt, a different one for each answer: refused, saying what to set."""
+    from finetune.data import formats
+    from finetune.data.render import Renderer, training_template
+    from finetune.data.stage_rows import RowEncoder
+
+    row = {"prompt": [{"role": "user", "content": "Pick a color."}],
+           "chosen": [{"role": "assistant", "thinking": "Blue is calm.", "content": "blue"}],
+           "rejected": [{"role": "assistant", "thinking": "Red is loud.", "content": "red"}]}
+    example = formats.normalize(row, formats.detect_format(row, {}, preference=True), {}, None)
+    template = training_template(gptoss_tokenizer, gptoss_tokenizer.chat_template)
+    encoded = RowEncoder(Renderer(gptoss_tokenizer, template, "2024-07-26"), "dpo")(example)
+    assert gptoss_tokenizer.decode(encoded["chosen_ids"]) == (
+        "<|channel|>analysis<|message|>Blue is calm.<|end|><|start|>assistant<|channel|>final<|message|>blue<|return|>")
+    assert gptoss_tokenizer.decode(encoded["prompt_ids"]).endswith("Pick a color.<|end|><|start|>assistant")
+    without = RowEncoder(Renderer(gptoss_tokenizer, template, "2024-07-26", train_thinking=False), "dpo")
+    with pytest.raises(formats.BadRow, match="with data.train_thinking: false the answers' reasoning"):
+        without(example)
+
+
 def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path):
     """1,000 real Anthropic HH pairs: multi-turn transcripts become conversations whose last answers differ. Three
     have an empty assistant turn: reported by line, and left out with data.bad_rows=drop."""
@@ -290,13 +311,17 @@ def test_user_reward_function_is_loaded_and_called(tmp_path):
     (tmp_path / "mine.py").write_text("def shorter(completions, **_):\n"
                                       "    return [1.0 / (1 + len(c[0]['content'])) for c in completions]\n")
     checked = rewards.check([{"function": f"{tmp_path / 'mine.py'}:shorter", "weight": 0.5},
-                             {"function": "answer", "extract": "gsm8k"}], "recipe")
-    shorter, answer = rewards.build(checked, tokenizer=None)
-    assert shorter.__name__ == "shorter" and answer.__name__ == "answer" and checked[0]["weight"] == 0.5
+                             {"function": "answer", "extract": "gsm8k"},
+                             {"function": "answer", "extract": "last-number"}], "recipe")
+    shorter, answer, last_number = rewards.build(checked, tokenizer=None)
+    # TRL logs each by name (rewards/<name>/mean): a second use of a name gets its own
+    assert [shorter.__name__, answer.__name__, last_number.__name__] == ["shorter", "answer", "answer_2"]
+    assert checked[0]["weight"] == 0.5
     completions = [[{"role": "assistant", "content": "So 3 + 4 = 7.\n#### 7"}],
                    [{"role": "assistant", "content": "#### 8"}]]
     assert shorter(completions) == [1 / 21, 1 / 7]
     assert answer(completions, answer=["3 + 4 = 7\n#### 7", "#### 7"]) == [1.0, 0.0]
+    assert last_number(completions, answer=["7", "7"]) == [1.0, 0.0]
 
 
 def test_stage_recipes_for_gpus_train_scaled_down(tiny_models, tmp_path):

@@ -47,8 +47,6 @@ class RowEncoder:
             return {"input_ids": ids, "labels": labels}
         if self.stage == "grpo":
             return self._prompt_row(example)
-        if self.stage == "kto" and "chosen" in example:
-            raise ValueError("pairs are split into labelled answers before encoding")
         if self.stage == "dpo" and "chosen" not in example:
             raise BadRow("stage dpo needs a chosen and a rejected answer")
         if self.stage == "kto":
@@ -57,7 +55,11 @@ class RowEncoder:
         prompt, chosen = self._split(example["chosen"], "chosen")
         rejected_prompt, rejected = self._split(example["rejected"], "rejected")
         if rejected_prompt != prompt:
-            raise BadRow("chosen and rejected render different prompts")
+            thinking = any(message.get("thinking") for answer in (example["chosen"], example["rejected"])
+                           for message in answer["messages"])
+            why = ("; with data.train_thinking: false the answers' reasoning (thinking) is prompt, not answer: set "
+                   "it true" if thinking and not self.renderer.train_thinking else "")
+            raise BadRow(f"chosen and rejected render different prompts{why}")
         return {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
 
     def _split(self, example: dict[str, Any], name: str) -> tuple[list[int], list[int]]:
