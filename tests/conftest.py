@@ -66,6 +66,16 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900, module: s
     )
 
 
+def cli_here(capsys, *args: str) -> tuple[int, str, str]:
+    """`finetune ARGS` in this process, for checks that need no fresh interpreter (no start-up paid, no
+    environment of their own): its exit status, stdout and stderr."""
+    from finetune.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def write_recipe(folder: Path, text: str, name: str = "recipe.yaml") -> Path:
     path = folder / name
     path.write_text(text, encoding="utf-8")

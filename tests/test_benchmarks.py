@@ -18,8 +18,8 @@ def test_throughput_script_runs_all_ways(tmp_path):
     asset("datasets/gsm8k/train.jsonl")
     out = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--size", "tiny", "--steps", "1", "--rows", "64",
-         "--json", str(out)],
+        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--size", "tiny", "--steps", "1", "--warmup", "0",
+         "--rows", "64", "--json", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]

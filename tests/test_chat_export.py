@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli, save_tiny_model
+from tests.conftest import cli_here, run_cli, save_tiny_model
 
 pytestmark = pytest.mark.integration
 PROMPT = [{"role": "user", "content": "I am qqq."}]
@@ -169,10 +169,10 @@ def test_qlora_adapter_merges_into_a_16_bit_base(trained, tmp_path):
         assert {str(weights.get_slice(name).get_dtype()) for name in weights.keys()} == {"BF16"}
 
 
-def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_tokenizer):
+def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_tokenizer, capsys):
     run = trained("gpt-oss", "lora")
     out = tmp_path / "export"
-    assert run_cli("export", str(run / "final"), "--out", str(out)).returncode == 0
+    assert cli_here(capsys, "export", str(run / "final"), "--out", str(out))[0] == 0
     generation = json.loads((out / "generation_config.json").read_text())
     assert sorted(gptoss_tokenizer.convert_ids_to_tokens(generation["eos_token_id"])) == [
         "<|call|>", "<|return|>"]
@@ -190,12 +190,12 @@ def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_t
 
 
 def test_llama_export_keeps_the_base_end_tokens_and_never_shows_the_base_path(trained, models, tmp_path,
-                                                                              llama_tokenizer):
+                                                                              llama_tokenizer, capsys):
     """Llama 3.2 ends a turn with <|eot_id|>, a tool call with <|eom_id|>, a text with <|end_of_text|>: the
     export's generation config keeps all three. The base is a local folder of unknown origin: the card says so."""
     run = trained("llama", "lora")
     out = tmp_path / "export"
-    assert run_cli("export", str(run / "final"), "--out", str(out)).returncode == 0
+    assert cli_here(capsys, "export", str(run / "final"), "--out", str(out))[0] == 0
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [128001, 128008, 128009]
     assert llama_tokenizer.convert_ids_to_tokens(generation["eos_token_id"]) == [
@@ -300,13 +300,13 @@ def test_chat_worker_process(trained, tmp_path):
         ChatWorker(tmp_path / "missing")
 
 
-def test_bad_paths_get_clear_errors(trained, models, tmp_path):
+def test_bad_paths_get_clear_errors(trained, models, tmp_path, capsys):
     from finetune.errors import UserError
     from finetune.saved_model import locate
 
     run = trained("llama", "lora")
-    missing = run_cli("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
-    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    code, _, err = cli_here(capsys, "chat", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
 
     no_config = tmp_path / "checkpoint-30"
     shutil.copytree(run / "checkpoint-30", no_config)
@@ -324,24 +324,24 @@ def test_bad_paths_get_clear_errors(trained, models, tmp_path):
     recipe = yaml.safe_load((moved / "finetune.yaml").read_text())
     recipe["model"]["name_or_path"] = str(tmp_path / "no-such-base")
     (moved / "finetune.yaml").write_text(yaml.safe_dump(recipe))
-    result = run_cli("chat", str(moved), "--prompt", "I am zed.", "--temperature", "0")
-    assert result.returncode == 2 and "no-such-base" in result.stderr and "--base-model" in result.stderr
-    result = run_cli("chat", str(moved), "--prompt", "I am zed.", "--temperature", "0",
-                     "--base-model", str(models["llama"]))
-    assert result.returncode == 0 and result.stdout == "Hi!\n"
+    code, _, err = cli_here(capsys, "chat", str(moved), "--prompt", "I am zed.", "--temperature", "0")
+    assert code == 2 and "no-such-base" in err and "--base-model" in err
+    code, out, err = cli_here(capsys, "chat", str(moved), "--prompt", "I am zed.", "--temperature", "0",
+                              "--base-model", str(models["llama"]))
+    assert code == 0 and out == "Hi!\n", err
 
 
-def test_export_refusals_leave_nothing(trained, tmp_path):
+def test_export_refusals_leave_nothing(trained, tmp_path, capsys, monkeypatch):
     final = trained("llama", "lora") / "final"
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
-    result = run_cli("export", str(final), "--out", str(taken))
-    assert result.returncode == 2 and "not empty" in result.stderr and os.listdir(taken) == ["keep.txt"]
+    code, _, err = cli_here(capsys, "export", str(final), "--out", str(taken))
+    assert code == 2 and "not empty" in err and os.listdir(taken) == ["keep.txt"]
 
-    env = {key: value for key, value in os.environ.items() if key != "LLAMA_CPP_DIR"}
-    result = run_cli("export", str(final), "--out", str(tmp_path / "gguf"), "--merge", "--gguf", env=env)
-    assert result.returncode == 2 and "convert_hf_to_gguf.py" in result.stderr and "LLAMA_CPP_DIR" in result.stderr
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    code, _, err = cli_here(capsys, "export", str(final), "--out", str(tmp_path / "gguf"), "--merge", "--gguf")
+    assert code == 2 and "convert_hf_to_gguf.py" in err and "LLAMA_CPP_DIR" in err
     assert not (tmp_path / "gguf").exists() and not list(tmp_path.glob(".gguf-partial-*"))
 
 
@@ -479,7 +479,7 @@ def test_panel_chat_models_are_shared_capped_and_unloaded(trained):
         models.release_all()
 
 
-def test_chat_and_export_of_a_run_logged_to_a_backend_missing_here(trained, tmp_path):
+def test_chat_and_export_of_a_run_logged_to_a_backend_missing_here(trained, tmp_path, capsys):
     """A run logged with a back-end this machine lacks (wandb is not installed here) still chats and exports:
     the saved recipe is not checked as if for training."""
     import shutil
@@ -491,7 +491,8 @@ def test_chat_and_export_of_a_run_logged_to_a_backend_missing_here(trained, tmp_
     recipe = yaml.safe_load((copy / "finetune.yaml").read_text())
     recipe["train"]["report_to"] = ["wandb"]
     (copy / "finetune.yaml").write_text(yaml.safe_dump(recipe))
-    chat = run_cli("chat", str(copy), "--prompt", "I am zed.", "--temperature", "0", "--max-new-tokens", "8")
-    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr[-2000:]
-    export = run_cli("export", str(copy), "--out", str(tmp_path / "out"))
-    assert export.returncode == 0, export.stderr[-2000:]
+    code, out, err = cli_here(capsys, "chat", str(copy), "--prompt", "I am zed.", "--temperature", "0",
+                              "--max-new-tokens", "8")
+    assert code == 0 and out.strip(), err[-2000:]
+    code, _, err = cli_here(capsys, "export", str(copy), "--out", str(tmp_path / "out"))
+    assert code == 0, err[-2000:]

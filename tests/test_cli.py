@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import cli_here, run_cli, write_recipe
 
 
 @pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["validate", "--help"], ["chat", "--help"],
@@ -47,12 +47,13 @@ def test_validate_prints_config_and_data_report(tmp_path):
         ("model: {name_or_path: builtin:tiny-llama}\ndata: {train: missing.jsonl}\n", [], "does not exist"),
     ],
 )
-def test_bad_input_is_one_message_exit_2_and_no_run_folder(tmp_path, recipe, overrides, message):
+def test_bad_input_is_one_message_exit_2_and_no_run_folder(tmp_path, recipe, overrides, message, capsys,
+                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = write_recipe(tmp_path, recipe)
-    result = run_cli("train", str(path), f"output_dir={tmp_path / 'run'}", *overrides, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.startswith("error: ") and message in result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, err = cli_here(capsys, "train", str(path), f"output_dir={tmp_path / 'run'}", *overrides)
+    assert code == 2
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
