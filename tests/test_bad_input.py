@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import main
 from finetune.config import load_recipe
 from finetune.errors import UserError
 from tests.bad_inputs import CASES, Case
-from tests.conftest import run_cli
+from tests.conftest import cli_here, run_cli
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -58,8 +57,7 @@ def test_bad_input_gets_its_message(case, tmp_path, monkeypatch, capsys, isolate
     cached = cache_entries(isolated_home)
     expected = case.message.replace("{dir}", str(tmp_path))
     for command in case.commands:
-        code = main([command, *arguments])
-        err = capsys.readouterr().err
+        code, _, err = cli_here(capsys, command, *arguments)
         assert (code, command) == (2, command), err
         assert err.startswith("error: ") and expected in err, f"{command}: {err}"
         assert "Traceback" not in err and err.count("error: ") == 1
@@ -101,9 +99,9 @@ ACCEPTED = [  # inputs that look odd but are fine, and train
 @pytest.mark.parametrize("name, filename, content", ACCEPTED, ids=[name for name, _, _ in ACCEPTED])
 def test_inputs_that_only_look_odd_are_accepted(name, filename, content, tmp_path, capsys):
     (tmp_path / filename).write_bytes(content)
-    code = main(["validate", "quickstart", f"data.train={tmp_path / filename}", f"output_dir={tmp_path / 'run'}",
-                 "data.eval_fraction=0", "train.eval_on_start=false", *TINY])
-    out, err = capsys.readouterr()
+    code, out, err = cli_here(capsys, "validate", "quickstart", f"data.train={tmp_path / filename}",
+                              f"output_dir={tmp_path / 'run'}", "data.eval_fraction=0", "train.eval_on_start=false",
+                              *TINY)
     assert code == 0 and "OK: the recipe and its data are valid." in out, err
     assert "bad rows: none" in out and "Say hi" in out
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, asset, run_cli, write_recipe
+from tests.conftest import REPO, asset, cli_here, run_cli, write_recipe
 
 PROMPTS = ["Pick a color.", "Choose a color.", "Name a color.", "Say a color.", "Which color?", "A color, please."]
 TRAIN = ["train.max_length=64", "train.gradient_checkpointing=false", "train.save_strategy=no",
@@ -275,11 +275,9 @@ def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path):
     (["stage=sft", "data.format=hh"], "data.format hh is not data for stage sft"),
 ])
 def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp_path, monkeypatch, capsys):
-    from finetune.cli import main
-
     monkeypatch.chdir(tmp_path)
-    assert main(["validate", "quickstart", *overrides]) == 2
-    assert message in capsys.readouterr().err
+    code, _, err = cli_here(capsys, "validate", "quickstart", *overrides)
+    assert code == 2 and message in err
 
 
 def test_vllm_generation_is_refused_on_the_cpu(color_runs):
