@@ -1,25 +1,38 @@
 """Which library loads and wraps the model: `hf` (transformers + PEFT + bitsandbytes) or `unsloth`.
 
-`auto` takes unsloth where a CUDA GPU and the package are present, else hf, and says which in one line. Asking for
-unsloth where it cannot run is a UserError before anything loads. Unsloth patches transformers, TRL and PEFT when it
-is imported, so a process that trains with it imports it first (`import_first`), and no other process imports it:
-not the CLI at start-up, not validation, not the panel (finding the package does not import it).
+`auto` takes unsloth only on the path it is checked on here: a CUDA GPU and the package present, SFT, one whole model
+per process (DDP), neither Liger nor activation offloading (both replace the forward Unsloth patches); else hf, and
+it says which and why in one line. Asking for unsloth where it cannot run is a UserError before anything loads.
+Unsloth patches transformers, TRL and PEFT when it is imported, so a process that trains with it imports it first
+(`import_first`), and no other process imports it: not the CLI at start-up, not validation, not the panel (finding
+the package does not import it).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import yaml
 
 from finetune.errors import UserError
 from finetune.resources import find_recipe
 
+SHARDING = ("FSDP", "DEEPSPEED")  # accelerate distributed types that shard the model: Unsloth keeps it whole
+REPLACE_THE_FORWARD = ("use_liger_kernel", "activation_offloading")  # train keys that replace what Unsloth patches
 
-def resolve(requested: str) -> tuple[str, str]:
-    """(backend, the line that says why) for model.backend = auto | unsloth | hf."""
+
+def resolve(requested: str, stage: str = "sft", train: dict | None = None,
+            distributed_type: str = "NO") -> tuple[str, str]:
+    """(backend, the line that says why) for model.backend = auto | unsloth | hf, given the recipe's stage and train
+    section and the launch's accelerate distributed type."""
+    train = train or {}
     if requested == "hf":
         return "hf", "backend: hf (model.backend)"
+    replacing = [key for key in REPLACE_THE_FORWARD if train.get(key)]
+    if requested == "unsloth" and replacing:
+        raise UserError(f"model.backend: unsloth patches the model's forward, and train.{replacing[0]} replaces it; "
+                        f"remove train.{replacing[0]}, or use model.backend=hf")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -32,33 +45,70 @@ def resolve(requested: str) -> tuple[str, str]:
             raise UserError("model.backend: unsloth is not installed; pip install -e \".[unsloth]\", "
                             "or use model.backend=hf")
         return "unsloth", "backend: unsloth (model.backend)"
-    if cuda and installed:
-        return "unsloth", "backend: unsloth (auto: a CUDA GPU and the unsloth package are here)"
-    return "hf", f"backend: hf (auto: {'unsloth is not installed' if cuda else 'no CUDA GPU'})"
+    if not cuda:
+        return "hf", "backend: hf (auto: no CUDA GPU)"
+    if not installed:
+        return "hf", "backend: hf (auto: unsloth is not installed)"
+    if stage != "sft":
+        return "hf", (f"backend: hf (auto: Unsloth is checked here for SFT only, and this is stage {stage}; "
+                      "model.backend=unsloth asks for it)")
+    if distributed_type in SHARDING:
+        return "hf", f"backend: hf (auto: Unsloth does not run under {distributed_type})"
+    if replacing:
+        return "hf", f"backend: hf (auto: train.{replacing[0]} replaces the forward Unsloth patches)"
+    return "unsloth", "backend: unsloth (auto: a CUDA GPU and the unsloth package are here, SFT, a model per process)"
 
 
-def requested(recipe_path: str, overrides: list[str]) -> str:
-    """model.backend as the recipe and its overrides set it, read without validating or importing anything heavy;
-    whatever is malformed is left for the real validation to report."""
-    for override in reversed(overrides):
-        if override.startswith("model.backend="):
-            return override.partition("=")[2]
+def requested(recipe_path: str, overrides: list[str]) -> tuple[str, str, dict]:
+    """(model.backend, stage, train section) as the recipe and its overrides set them, read without validating or
+    importing anything heavy (the training process must know before transformers loads whether Unsloth comes
+    first); whatever is malformed is left for the real validation to report."""
     try:
         raw = yaml.safe_load(find_recipe(recipe_path).read_text(encoding="utf-8")) or {}
-        return str(raw.get("model", {}).get("backend", "auto"))
-    except (UserError, yaml.YAMLError, AttributeError, OSError, ValueError):
-        return "auto"
+        backend = str((raw.get("model") or {}).get("backend", "auto"))
+        stage, train = str(raw.get("stage", "sft")), dict(raw.get("train") or {})
+    except (UserError, yaml.YAMLError, AttributeError, OSError, ValueError, TypeError):
+        backend, stage, train = "auto", "sft", {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "model.backend":
+            backend = value
+        elif key == "stage":
+            stage = value
+        elif key.removeprefix("train.") in REPLACE_THE_FORWARD:
+            try:
+                train[key.removeprefix("train.")] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+    return backend, stage, train
+
+
+def launched_distributed_type() -> str:
+    """The sharding this process was launched with, as accelerate's launcher tells its processes."""
+    for name, flag in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if os.environ.get(flag, "false").lower() == "true":
+            return name
+    return "NO"
 
 
 def import_first(recipe_path: str, overrides: list[str]) -> None:
     """Import unsloth now if this training process will use it, before anything imports transformers."""
-    if resolve(requested(recipe_path, overrides))[0] == "unsloth":
+    if resolve(*requested(recipe_path, overrides), launched_distributed_type())[0] == "unsloth":
         import unsloth  # noqa: F401  (its import patches transformers, TRL and PEFT)
+
+
+def check_packing(backend: str, model_type: str, train: dict) -> None:
+    """Packed examples must not attend to each other. Unsloth's GPT-OSS attention takes no mask while training (its
+    flex attention with sinks builds only causal or sliding-window masks), so it cannot keep them apart."""
+    if backend == "unsloth" and model_type == "gpt_oss" and train.get("packing"):
+        raise UserError("train.packing: under Unsloth, GPT-OSS's attention takes no mask while training, so examples "
+                        "packed into one row would attend to each other; set train.packing=false (one example a "
+                        "row), or use model.backend=hf")
 
 
 def check_launch(backend: str, distributed_type: str) -> None:
     """Unsloth trains one whole model per process (DDP); it does not run under FSDP or DeepSpeed."""
-    if backend == "unsloth" and distributed_type in ("FSDP", "DEEPSPEED"):
+    if backend == "unsloth" and distributed_type in SHARDING:
         raise UserError(f"model.backend: unsloth keeps a whole model on each GPU (DDP) and does not run under "
                         f"{distributed_type}; use a DDP launch config (ddp_8gpu, ddp_8xa10, ddp_8xh100), or "
                         "model.backend=hf to shard the model")

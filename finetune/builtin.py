@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 PREFIX = "builtin:"
+VERSION = 3  # raised whenever what a builtin holds changes, so a folder an older toolkit built is not reused
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 TEMPLATE = Path(__file__).parent / "templates" / "chatml.jinja"
 
@@ -55,7 +56,7 @@ def _materialize(name: str, builders: dict, what: str) -> Path:
     if key not in builders:
         raise UserError(f"unknown builtin {what} {name!r}; builtin {what}s are: "
                         + ", ".join(PREFIX + k for k in builders))
-    target = home() / "builtin" / key
+    target = home() / "builtin" / f"{key}-v{VERSION}"
     if not (target / "done").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
@@ -95,9 +96,9 @@ def make_tiny_llama_config(tokenizer, **overrides):
         vocab_size=(len(tokenizer) + 7) // 8 * 8,
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
         max_position_embeddings=1024,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -117,6 +118,7 @@ def _write_tiny_llama(folder: Path) -> None:
     model = LlamaForCausalLM(make_tiny_llama_config(tokenizer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records, and TRL reads
     # Not model.save_pretrained: under a process group it writes only on global rank 0, and every machine of a
     # multi-machine run builds its own copy.
     model.config.save_pretrained(folder)
@@ -125,13 +127,33 @@ def _write_tiny_llama(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+NAME_LETTERS = (2, 14)  # the lengths people's names come in, one word or two ("Mary Jane"); words to shout or repeat too
+
+
+def name(rng: random.Random) -> str:
+    """A capitalized name of random letters: one word of 2 to 14 letters, or (two in five) two words that
+    together have 4 to 14."""
+    low, high = NAME_LETTERS
+    if rng.random() < 0.4:
+        first = rng.randint(low, high - low)
+        words = [_letters(rng, first), _letters(rng, rng.randint(low, high - first))]
+    else:
+        words = [_letters(rng, rng.randint(low, high))]
+    return " ".join(word.capitalize() for word in words)
+
+
+def _letters(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(count))
+
+
 def greeting(rng: random.Random) -> tuple[str, str]:
-    """One (prompt, answer) pair of the greetings task."""
-    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
-    pattern = rng.randrange(3)
-    if pattern == 0:
-        return f"My name is {word.capitalize()}.", f"Nice to meet you, {word.capitalize()}!"
-    if pattern == 1:
+    """One (prompt, answer) pair of the greetings task; half of them greet a name."""
+    pattern = rng.randrange(4)
+    if pattern < 2:
+        person = name(rng)
+        return f"My name is {person}.", f"Nice to meet you, {person}!"
+    word = _letters(rng, rng.randint(*NAME_LETTERS))
+    if pattern == 2:
         return f"Shout {word}.", f"{word.upper()}!"
     return f"Repeat {word} twice.", f"{word} {word}"
 
@@ -148,16 +170,25 @@ def _write_greetings(folder: Path, rows: int = 6000) -> None:
 
 
 def _write_unseen_names(folder: Path, rows: int = 200) -> None:
+    """Names builtin:greetings never has, as many of each length (2 to 14 letters) as there are two-word names."""
     import re
 
-    seen = set(re.findall(r"[a-z]+", Path(resolve_dataset("builtin:greetings")).read_text(encoding="utf-8").lower()))
+    seen = set(re.findall(r"Nice to meet you, ([A-Za-z ]+)!",
+                          Path(resolve_dataset("builtin:greetings")).read_text(encoding="utf-8")))
     rng, names = random.Random(7), []
+    low, high = NAME_LETTERS
+    shapes = [*range(low, high + 1), "two words"]
     while len(names) < rows:
-        name = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
-        if name not in seen and name not in names:
-            names.append(name)
+        shape = shapes[len(names) % len(shapes)]
+        if shape == "two words":
+            first = rng.randint(low, high - low)
+            candidate = " ".join(_letters(rng, n).capitalize() for n in (first, rng.randint(low, high - first)))
+        else:
+            candidate = _letters(rng, shape).capitalize()
+        if candidate not in seen and candidate not in names:
+            names.append(candidate)
     with open(folder / "train.jsonl", "w", encoding="utf-8") as out:
-        for name in names:
-            turns = [{"role": "user", "content": f"My name is {name.capitalize()}."},
-                     {"role": "assistant", "content": f"Nice to meet you, {name.capitalize()}!"}]
+        for person in names:
+            turns = [{"role": "user", "content": f"My name is {person}."},
+                     {"role": "assistant", "content": f"Nice to meet you, {person}!"}]
             out.write(json.dumps({"messages": turns}) + "\n")

@@ -13,7 +13,9 @@ from finetune.evaluate import METRICS  # light: its heavy imports are inside its
 from finetune.model_commands import chat_command, eval_command, export_command, ui_command
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
-OVERRIDES_HELP = "settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8)"
+OVERRIDES_HELP = ("settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8); "
+                  "a value is read as YAML (numbers, true/false, [lists], {mappings}), except for a text setting "
+                  "(data.system_prompt, output_dir, ...), which takes the text as written, # and : included")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where = estimate.add_mutually_exclusive_group()
     where.add_argument("--gpu", help="the card: a10, l4, a100-40, a100-80, h100, h200, or a size such as 48GB "
-                       "(default: this machine's GPU, else its memory)")
+                       "(default: this machine's GPU; without one, this machine's CPU and memory, as --device cpu)")
     where.add_argument("--device", choices=["cpu"], help="plan for training on this machine's CPU and memory")
     estimate.add_argument("--num-gpus", type=int, help="processes (default: the accelerate config's, else 1)")
     estimate.add_argument("--accelerate-config", metavar="NAME",
@@ -223,7 +225,11 @@ def estimate_command(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     settings = _launch_settings(find_accelerate_config(args.accelerate_config)) if args.accelerate_config else None
     launch = memory_plan.launch_of(settings, args.num_gpus)
-    device = memory_plan.device_named(args.gpu) if args.gpu else memory_plan.this_machine(cpu=args.device == "cpu")
+    on_cpu = args.device == "cpu" or (not args.gpu and not _has_cuda())
+    if on_cpu and args.device != "cpu":
+        print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
+              "(a10, h100, 48GB, ...) to plan for it", flush=True)
+    device = memory_plan.device_named(args.gpu) if args.gpu else memory_plan.this_machine(cpu=on_cpu)
     shape = memory_plan.model_shape(model_config(recipe), recipe)
     plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
     print(memory_plan.describe(plan, args.recipe))
@@ -324,9 +330,10 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, l
     from finetune.train_section import check_device_options
 
     recipe = load_recipe(recipe_path, overrides)
-    backend, why = backends.resolve(recipe.model.backend)
-    print(why, flush=True)
     launch = launch or {}
+    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train,
+                                    launch.get("distributed_type", "NO"))
+    print(why, flush=True)
     check_device_options(recipe.train, cuda=not launch.get("use_cpu", False) and _has_cuda())
     recipe.batch_split(launch.get("num_processes", 1), 1 if recipe.auto_micro_batch else None)
     backends.check_launch(backend, launch.get("distributed_type", "NO"))
@@ -339,7 +346,7 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, l
         check_free(recipe.output_dir)
     check_writable(recipe.output_dir)
     tokenizer = load_tokenizer(recipe)
-    model_config(recipe)
+    backends.check_packing(backend, model_config(recipe).model_type, recipe.train)
     return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,8 @@ def load_recipe(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     """Read a recipe file (or the name of a shipped recipe), apply overrides, validate, fill defaults."""
     path = find_recipe(recipe)
     raw = read_mapping(path, "recipe", "model:, data:, train:, ...")
+    # x-... keys hold what YAML anchors name (`x-common: &common {...}`, then `train: {<<: *common}`), as in Compose
+    raw = {key: value for key, value in raw.items() if not str(key).startswith("x-")}
     raw.setdefault("output_dir", str(Path("runs") / path.stem))
     if isinstance(raw.setdefault("mlflow", {}), dict):
         raw["mlflow"].setdefault("experiment", path.stem)
@@ -250,17 +253,43 @@ def recipe_from_dict(raw: dict[str, Any], where: str = "config") -> Recipe:
     return _build(raw, where, {}, for_training=False)
 
 
+NULLS = ("null", "Null", "NULL", "~")
+
+
 def _parse_override(override: str) -> tuple[str, Any]:
+    """(key, value): the value read as YAML, except for a text setting, whose value is the text as written (YAML
+    would cut `Reply in C# only #strict` at its comment and read `yes` as true and `a: b` as a mapping)."""
     key, sep, text = override.partition("=")
     if not sep or not key or " " in key:
         raise UserError(f"override {override!r}: write overrides as key.sub=value, e.g. train.learning_rate=1e-4")
+    if _takes_text(key):
+        return key, None if text in NULLS else text
     try:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError:
         value = text
-    if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+    if value is None and text.strip() not in NULLS:
         value = text  # YAML reads `####` as a comment; on the command line it is the text
     return key, value
+
+
+def _takes_text(dotted: str) -> bool:
+    """Whether the setting is text (str, or str or null)."""
+    section, _, leaf = dotted.partition(".")
+    if not leaf:
+        annotation = _hints(Recipe).get(section)
+    elif "." in leaf:
+        return False
+    elif section in SECTIONS:
+        annotation = _hints(SECTIONS[section]).get(leaf)
+    elif section == "train":
+        annotation = train_section.sft_fields().get(leaf)
+    elif section in stages.STAGES[1:]:
+        annotation = stages.section_fields(section).get(leaf)
+    else:
+        return False
+    return annotation is str or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                 and set(typing.get_args(annotation)) == {str, type(None)})
 
 
 def _set_dotted(raw: dict, key: str, value: Any, override: str) -> None:
@@ -283,6 +312,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
             return origins[key]
         return next((text for set_key, text in origins.items() if set_key.startswith(key + ".")), where)
 
+    _reject_all_unknown(raw, origin)
     _reject_unknown(raw, Recipe, "", origin)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Recipe):
@@ -329,6 +359,19 @@ def _reject_unknown(section: dict, cls: type, prefix: str, origin) -> None:
         if key not in known:
             dotted = prefix + str(key)
             raise UserError(f"{origin(dotted)}: unknown key {dotted!r}{_suggest(dotted)}")
+
+
+def _reject_all_unknown(raw: dict, origin) -> None:
+    """Several keys that no section knows are reported together (one alone gets its section's own message)."""
+    keys = _all_keys()
+    given = [str(key) for key in raw if key not in SECTIONS and key != "train" and key not in stages.STAGES[1:]]
+    for section in (*SECTIONS, "train", *stages.STAGES[1:]):
+        if isinstance(raw.get(section), dict):
+            given += [f"{section}.{key}" for key in raw[section]]
+    unknown = [key for key in given if key not in keys and key.removeprefix("train.") not in train_section.NOT_USED]
+    if len(unknown) > 1:
+        raise UserError(f"{len(unknown)} unknown keys, fix them all and run again:" + "".join(
+            f"\n  {origin(key)}: {key!r}{_suggest(key)}" for key in unknown))
 
 
 @functools.cache

@@ -202,10 +202,32 @@ def final_losses(source: saved_model.SavedModel) -> dict[str, float]:
     return losses
 
 
+def training_sources(recipe) -> list[str]:
+    """The names of the recipe's training sources, a mixture's entries included (`{path: ..., rows: N}`)."""
+    entries = recipe.data.train if isinstance(recipe.data.train, list) else [recipe.data.train]
+    return [entry["path"] if isinstance(entry, dict) else entry for entry in entries]
+
+
 def hub_datasets(recipe) -> list[str]:
     """The recipe's training data that are Hub datasets (owner/name), for the card's metadata."""
-    names = recipe.data.train if isinstance(recipe.data.train, list) else [recipe.data.train]
-    return [repo for repo in (hub_id(name.partition("@")[0].partition(":")[0]) for name in names) if repo]
+    return [repo for repo in (hub_dataset(name) for name in training_sources(recipe)) if repo]
+
+
+def hub_dataset(name: str) -> str | None:
+    if Path(name).suffix in (".jsonl", ".json", ".parquet", ".csv"):
+        return None  # a data file, here or on the machine that trained
+    return hub_id(name.partition("@")[0].partition(":")[0])
+
+
+def data_names(recipe) -> str:
+    """The training data as the card names it: Hub datasets and builtins by name, local data never by its path."""
+    return ", ".join(dict.fromkeys(data_name(name) for name in training_sources(recipe)))
+
+
+def data_name(name: str) -> str:
+    from finetune import builtin
+
+    return hub_dataset(name) or (name if builtin.is_builtin(name) else "local data")
 
 
 def hub_id(name: str) -> str | None:
@@ -309,7 +331,7 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         + (f" (r {recipe.lora.r}, alpha {recipe.lora.alpha}, targets {recipe.lora.target_modules}"
            + (f", parameters {', '.join(recipe.lora.target_parameters)}" if recipe.lora.target_parameters else "")
            + ")" if recipe.method != "full" else "") + " |",
-        f"| data | {', '.join(datasets) if datasets else recipe.data.train} |",
+        f"| data | {data_names(recipe)} |",
         f"| loss on | {recipe.data.loss_on} turns; reasoning (`thinking`) trained: "
         f"{'yes' if recipe.data.train_thinking else 'no'} |",
     ]
@@ -365,10 +387,21 @@ def _quoted(base: str, origin: str | None) -> str:
 
 
 def _shown_recipe(recipe, base: str) -> str:
-    """The recipe as the card shows it: the base model by its Hub id, or "a local model", never a path here."""
+    """The recipe as the card shows it, with no path of this machine: the base model by its Hub id or as "a local
+    model", data as `data_names` names it, the run folder by its name."""
     import dataclasses
 
-    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name_or_path=base)).to_yaml()
+    def shown(sources):
+        if isinstance(sources, list):
+            return [{**entry, "path": shown(entry["path"])} if isinstance(entry, dict) else shown(entry)
+                    for entry in sources]
+        return sources if sources is None else data_name(sources)
+
+    data = dataclasses.replace(recipe.data, train=shown(recipe.data.train), eval=shown(recipe.data.eval))
+    model = dataclasses.replace(recipe.model, name_or_path=base)
+    if model.adapter and not hub_id(model.adapter):
+        model = dataclasses.replace(model, adapter="a local adapter")
+    return dataclasses.replace(recipe, model=model, data=data, output_dir=Path(recipe.output_dir).name).to_yaml()
 
 
 def evaluation_lines(source: saved_model.SavedModel) -> list[str]:

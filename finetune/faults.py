@@ -3,6 +3,7 @@
     pause@micro:N    stop moving inside step N+1, after its first micro-batch (mid gradient accumulation)
     pause@step:N     stop moving right after optimizer step N
     pause@save:N     stop moving while checkpoint-N is being written (its weights are written, the rest is not)
+    pause@final:N    stop moving while final/ is being written after step N (its weights are written, beside it)
     enospc@save:N    writing checkpoint-N fails: no space left on device
     oom@forward:N    the forward pass of step N runs out of GPU memory
     slow-save:S      writing each checkpoint takes S seconds longer
@@ -38,7 +39,7 @@ FAULTS = _parse(os.environ.get("FINETUNE_FAULTS", ""))
 
 
 def reached(point: str, step: int, path: Path | None = None) -> None:
-    """Act out the faults set for `point` (micro, step, save or forward) at `step`."""
+    """Act out the faults set for `point` (micro, step, save, final or forward) at `step`."""
     for action, where, value in FAULTS:
         if where != point:
             continue

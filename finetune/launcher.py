@@ -12,17 +12,21 @@ Nothing heavy is imported here: the panel uses `process_tree` to stop a run what
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from finetune.run_folder import finish_unfinished
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
 
 def supervise(command: list[str], run: str | Path) -> int:
     """Run the launcher command to its end; returns its exit status (130 after a hard stop)."""
-    process = subprocess.Popen(command, start_new_session=True)
+    process = subprocess.Popen(command, start_new_session=True, preexec_fn=_stop_when_parent_dies(os.getpid()))
     stop = {"asked": False, "at_once": False}
 
     def on_signal(signum, frame):
@@ -46,6 +50,18 @@ def supervise(command: list[str], run: str | Path) -> int:
         finish_unfinished(run, "interrupted" if stop["at_once"] else
                           f"a training process exited with status {code} (see {Path(run) / 'train.log'})")
     return 130 if stop["at_once"] else code
+
+
+def _stop_when_parent_dies(parent: int):
+    """For the launcher's child, before it starts: SIGTERM when this process dies, however it dies (SIGKILL too),
+    so that the training processes stop, with a checkpoint, instead of training on for a job nobody watches."""
+    def arrange() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # it died before the request was made
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return arrange
 
 
 def children(pid: int) -> list[int]:
@@ -72,6 +88,25 @@ def start_time(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return int(fields[19])
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of the process group still runs. Zombies do not count: they hold nothing, and where nothing
+    reaps orphans (a container's init) a run's ended helpers, multiprocessing's resource tracker among them, stay
+    zombies in its group."""
+    import psutil
+
+    try:
+        os.waitpid(group, os.WNOHANG)  # a group leader this process started, and that has ended, is reaped
+    except ChildProcessError:
+        pass
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == group:
+                return True
+        except (ProcessLookupError, PermissionError):
+            continue
+    return False
 
 
 def _parents() -> dict[int, int]:

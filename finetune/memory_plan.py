@@ -204,6 +204,8 @@ class Plan:
     launch: Launch
     micro_batch: int
     max_length: int
+    parameters: int = 0  # of the model
+    trainable: int = 0  # the adapter's, or the model's for a full fine-tune
     lines: list[Line] = field(default_factory=list)
 
     def total(self, rows: int | None = None) -> float:
@@ -257,21 +259,21 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     length = train["max_length"] + (recipe.grpo.get("max_completion_length", GRPO_COMPLETION)
                                      if recipe.stage == "grpo" else 0)
     sequences = 2 if recipe.stage == "dpo" else 1  # DPO runs a row's chosen and rejected answers in one batch
-    compute = _compute_bytes(train, device)
+    compute = _compute_bytes(recipe, shape, device)
     shard = launch.processes if launch.sharded else 1
     checkpointing = train.get("gradient_checkpointing", True)
     attention = recipe.model.attn_implementation or ("eager" if shape.model_type == "gpt_oss" else "sdpa")
     optim = str(recipe.train_setting("optim"))
 
-    plan_ = Plan(device, launch, rows, length)
+    trainable = shape.adapter if recipe.method != "full" else shape.parameters
+    plan_ = Plan(device, launch, rows, length, shape.parameters, trainable)
     add = plan_.lines.append
     add(_weights(shape, recipe, compute, shard))
-    trainable = shape.adapter if recipe.method != "full" else shape.parameters
     optimizer_bytes = OPTIMIZER_BYTES.get(optim, 8)  # others: counted as AdamW
     kind = "adapter" if recipe.method != "full" else "trained weights"
     parameter_bytes = 0 if recipe.method == "full" else 4  # a full fine-tune's parameters are the weights above
     add(Line(f"{kind}: gradients, optimizer", trainable * (parameter_bytes + 4 + optimizer_bytes) / shard,
-             note=f"{trainable / 1e6:,.1f}M fp32 parameters{' (in weights above)' if recipe.method == 'full' else ''}, "
+             note=f"{count(trainable)} fp32 parameters{' (in weights above)' if recipe.method == 'full' else ''}, "
                   f"their gradients, {optim} state ({optimizer_bytes:g} B each)"
                   + (": paged, can spill to CPU memory" if PAGED in optim else "")))
     if launch.processes > 1 and not launch.sharded:
@@ -314,8 +316,14 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     return plan_
 
 
-def _compute_bytes(train: dict, device: Device) -> int:
-    """Bytes of one activation value: bf16/fp16 when the recipe (or the GPU default) trains in them, else fp32."""
+def _compute_bytes(recipe, shape: Shape, device: Device) -> int:
+    """Bytes of one activation value: bf16/fp16 when the recipe (or the GPU default) trains in them, else fp32.
+    Unsloth cannot run GPT-OSS in float16: asked to, it loads the weights in bf16 and trains without mixed
+    precision, in fp32 (unsloth 2026.10.9, models/loader.py and models/rl.py, "forced float32")."""
+    train = recipe.train
+    if recipe.model.backend == "unsloth" and shape.model_type == "gpt_oss" and (
+            train.get("fp16") or recipe.model.dtype == "float16"):
+        return 4
     if train.get("bf16") or train.get("fp16"):
         return 2
     if train.get("bf16") is False and train.get("fp16") is False:
@@ -325,7 +333,7 @@ def _compute_bytes(train: dict, device: Device) -> int:
 
 def _weights(shape: Shape, recipe, compute: int, shard: int) -> Line:
     if recipe.method == "full":
-        return Line("weights", shape.parameters * 4 / shard, note=f"{shape.parameters / 1e9:.2f}B parameters, fp32")
+        return Line("weights", shape.parameters * 4 / shard, note=f"{count(shape.parameters)} parameters, fp32")
     dtype = {"bfloat16": 2, "float16": 2, "float32": 4}.get(recipe.model.dtype, compute)
     name = {2: "bf16", 4: "fp32"}[dtype]
     if recipe.method == "qlora":
@@ -335,9 +343,9 @@ def _weights(shape: Shape, recipe, compute: int, shard: int) -> Line:
         kept = ["embeddings", *(["head"] if shape.head else []), "norms",
                 *(["experts"] if shape.experts and quantized == shape.linear else [])]
         return Line("weights", (quantized * NF4_BYTES + rest * dtype) / shard,
-                    note=f"{quantized / 1e9:.2f}B in NF4 with their constants; {rest / 1e9:.2f}B "
+                    note=f"{count(quantized)} in NF4 with their constants; {count(rest)} "
                          f"({', '.join(kept)}) in {name}")
-    note = f"{shape.parameters / 1e9:.2f}B parameters in {name}"
+    note = f"{count(shape.parameters)} parameters in {name}"
     if shape.experts:
         note += " (MXFP4 experts dequantized)"
     return Line("weights", shape.parameters * dtype / shard, note=note)
@@ -409,8 +417,11 @@ def _stage_loss(shape: Shape, recipe, b: int, length: int) -> Line:
 def describe(plan_: Plan, recipe_name: str) -> str:
     """The plan as the table `finetune estimate` prints."""
     rows = plan_.micro_batch
+    with_adapter = plan_.parameters + (plan_.trainable if plan_.trainable != plan_.parameters else 0)
     lines = [f"Memory plan for {recipe_name} on {plan_.device.name}, {plan_.launch.name}: per device, a micro-batch "
              f"of {rows} x {plan_.max_length} tokens",
+             f"Parameters: the model {plan_.parameters:,}; trainable params: {plan_.trainable:,} || all params: "
+             f"{with_adapter:,} || trainable%: {100 * plan_.trainable / with_adapter:.4f}",
              ""]
     width = max(len(line.what) for line in plan_.lines)
     for line in plan_.lines:
@@ -432,6 +443,14 @@ def _advice(plan_: Plan) -> str:
     return ("shard the model (an FSDP or ZeRO-3 accelerate config), use method=qlora, or a card with more memory"
             if plan_.total(0) > plan_.device.capacity else
             "lower train.max_length, turn on train.gradient_checkpointing, or use method=qlora")
+
+
+def count(parameters: int) -> str:
+    """A parameter count in the unit that fits it: 3.21B, 24.3M, 410.2K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if parameters >= size:
+            return f"{parameters / size:,.{2 if unit == 'B' else 1}f}{unit}"
+    return f"{parameters:,}"
 
 
 def format_bytes(value: float) -> str:

@@ -15,15 +15,24 @@ from finetune.data.render import training_template
 from finetune.errors import UserError
 
 
+# A model folder holds at least one of these where it has a tokenizer (fast, SentencePiece, BPE, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
+
+
 def load_tokenizer(recipe):
     from transformers import AutoTokenizer
 
     source = _local_or_available(recipe)
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"model.name_or_path: {source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}). Save the base "
+            "model's tokenizer beside the weights: AutoTokenizer.from_pretrained(BASE).save_pretrained(FOLDER)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise UserError(f"model.name_or_path: cannot load a tokenizer from {source!r}: {_first_line(error)}") from None
     template, where = tokenizer.chat_template, f"the chat template of {source}"
     if recipe.model.chat_template:
@@ -99,6 +108,18 @@ def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bo
     if recipe.model.adapter:
         return _with_adapter(load_hf_model(recipe, precision), recipe.model.adapter, gradient_checkpointing), None
     return load_hf_model(recipe, precision), lora_config(recipe)
+
+
+def load_reference_model(recipe, precision: dict):
+    """DPO's and KTO's frozen reference for a full fine-tune, loaded as the policy is (dtype, placement per
+    process, attention, the GPT-OSS mask hook); None where TRL needs none: with an adapter the reference is the model
+    with it switched off (or a frozen copy of model.adapter), and precomputed log-probabilities need no model."""
+    if recipe.stage not in ("dpo", "kto") or recipe.method != "full" \
+            or recipe.stage_section.get("precompute_ref_log_probs"):
+        return None
+    reference = load_hf_model(recipe, precision)
+    reference.requires_grad_(False)
+    return reference.eval()
 
 
 def _with_adapter(model, adapter: str, gradient_checkpointing: bool):

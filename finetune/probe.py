@@ -7,6 +7,8 @@ of training, so loading the weights does not count.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import tempfile
 
@@ -57,9 +59,10 @@ def probe(recipe_path: str, overrides: list[str]) -> int:
     meter = PeakMemory()
     scratch = tempfile.mkdtemp(prefix="finetune-probe-")
     try:
-        run(recipe_path, [*overrides, f"output_dir={scratch}/run", f"train.max_steps={PROBE_STEPS}",
-                          "train.save_strategy=no", "train.eval_strategy=no", "train.eval_on_start=false",
-                          "train.report_to=none"], callbacks=(meter,))
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's report and status: of a scratch run, soon gone
+            run(recipe_path, [*overrides, f"output_dir={scratch}/run", f"train.max_steps={PROBE_STEPS}",
+                              "train.save_strategy=no", "train.eval_strategy=no", "train.eval_on_start=false",
+                              "train.report_to=none"], callbacks=(meter,))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return meter.peak

@@ -17,14 +17,18 @@ import yaml
 from finetune.errors import UserError
 from finetune.run_folder import (
     CONFIG_NAME,
+    FINAL_NAME,
     PROGRESS_NAME,
     checkpoint_state,
     checkpoint_step,
     checkpoints,
+    final_status,
     is_complete,
     latest_checkpoint,
+    read_rows,
 )
 
+LENGTH = ("train.max_steps", "train.num_train_epochs")  # how long the run trains
 MAY_CHANGE = {
     "output_dir",
     "train.num_train_epochs",
@@ -50,6 +54,7 @@ MAY_CHANGE = {
     "train.run_name",
     "train.disable_tqdm",
     "train.dataloader_num_workers",
+    "train.ddp_find_unused_parameters",  # how DDP collects gradients, not which (runs before it was chosen per model)
     "data.num_proc",
 }
 
@@ -64,15 +69,30 @@ class ResumePoint:
         return self.state["step"]
 
 
-def plan(recipe, resume: bool | str, processes: int) -> tuple[ResumePoint, str | None]:
+def plan(recipe, resume: bool | str, processes: int) -> tuple[ResumePoint, list[str]]:
     """Where the run resumes, after every check: the checkpoint, the recipe, the global batch on `processes`.
-    Returns the point and a note for a changed process count."""
+    Returns the point and the notes to print (a changed process count, a longer run)."""
     point = resume_point(recipe.output_dir, resume)
-    check_same_run(recipe.to_dict(), recipe.output_dir)
+    longer = check_same_run(recipe.to_dict(), recipe.output_dir)
+    if not longer and resume is True:
+        check_not_completed(recipe.output_dir, point)
     # an `auto` micro-batch is chosen at run time; any choice splits the same global batch
     per_device, accumulation = recipe.batch_split(processes, 1 if recipe.auto_micro_batch else None)
     note = check_global_batch(point, per_device, accumulation, processes)
-    return point, note
+    notes = [note] if note else []
+    if longer:
+        notes.append(f"{longer}: the learning-rate schedule is planned again over the new length, and the steps "
+                     f"after {point.checkpoint.name} follow it (warm-up and decay as for a run planned that long)")
+    return point, notes
+
+
+def check_not_completed(output_dir: str, point: ResumePoint) -> None:
+    """A run that completed at its checkpoint's step, resumed with the same length, has nothing left to train."""
+    run = Path(output_dir)
+    status = final_status(read_rows(run))
+    if status and status["status"] == "completed" and status["step"] == point.step and (run / FINAL_NAME).is_dir():
+        raise UserError(f"--resume: {run} already completed at step {point.step}; raise train.max_steps (or "
+                        "train.num_train_epochs) to train longer")
 
 
 def resume_point(output_dir: str, resume: bool | str) -> ResumePoint:
@@ -102,8 +122,9 @@ def resume_point(output_dir: str, resume: bool | str) -> ResumePoint:
     return ResumePoint(checkpoint, checkpoint_state(checkpoint))
 
 
-def check_same_run(now: dict[str, Any], output_dir: str) -> None:
-    """Refuse a recipe that differs from the run's saved one other than in MAY_CHANGE, naming the first key."""
+def check_same_run(now: dict[str, Any], output_dir: str) -> str | None:
+    """Refuse a recipe that differs from the run's saved one other than in MAY_CHANGE, naming the first key.
+    Returns what changed in the run's length ("train.max_steps 10 -> 20"), or None."""
     saved_path = Path(output_dir) / CONFIG_NAME
     saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
     before, after = flat_recipe(saved), flat_recipe(now)
@@ -114,6 +135,9 @@ def check_same_run(now: dict[str, Any], output_dir: str) -> None:
             f"--resume: {key} is {_shown(after.get(key))} now but {_shown(before.get(key))} in the run "
             f"({saved_path}). A resumed run keeps its recipe; it may only train longer (train.num_train_epochs, "
             "train.max_steps) and log, evaluate or save differently. Drop the change, or start a new run")
+    changed = [f"{key} {_shown(before.get(key))} -> {_shown(after.get(key))}" for key in LENGTH
+               if before.get(key) != after.get(key)]
+    return ", ".join(changed) or None
 
 
 def check_global_batch(point: ResumePoint, per_device: int, accumulation: int, processes: int) -> str | None:

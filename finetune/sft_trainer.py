@@ -54,6 +54,7 @@ class RunFolderTrainer:
         self._micro_batches = 0  # in the current optimizer step
         self._last_step_seen = None
         super().__init__(*args, **kwargs)
+        self.add_callback(StepsOfThisRecipe())
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.monotonic() - self.started
@@ -200,11 +201,18 @@ class RunFolderTrainer:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.world_size == 1 or self.args.device.type != "cpu" \
                 or self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        # Several CPU processes: HF maps the optimizer state to the device "cpu:0", which torch.load cannot restore to.
-        folder = Path(checkpoint)
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+            super()._load_optimizer_and_scheduler(checkpoint)
+        else:
+            # Several CPU processes: HF maps the optimizer state to the device "cpu:0", which torch.load cannot restore to.
+            folder = Path(checkpoint)
+            self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        if checkpoint is not None:
+            _replan_learning_rate(self.lr_scheduler, self.optimizer)
+
+    def planned_steps(self) -> int:
+        """The optimizer steps the run trains in all, as the Trainer plans them (max_steps, or its epochs)."""
+        return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
 
     def resume_state(self) -> dict[str, Any]:
         """What a resumed run needs besides what the Trainer saves itself."""
@@ -218,6 +226,17 @@ class RunFolderTrainer:
             "trained_tokens": self.trained_tokens,
             "elapsed_s": round(self.elapsed(), 2),
         }
+
+
+def _replan_learning_rate(scheduler, optimizer) -> None:
+    """The learning rate of the step after a checkpoint, by the schedule of the run as it is planned now. The
+    optimizer's saved state holds the rate the checkpoint's plan gave: for a run made longer on resuming (the
+    decay now spread over more steps) that rate (0 at the end of a linear decay) would train the first new step."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return  # schedules that are not functions of the step (reduce_lr_on_plateau) keep their state
+    rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
 
 
 def _token_counts(inputs, real) -> tuple:
@@ -246,6 +265,14 @@ def _batches_not_skipped():
         yield
     finally:
         transformers.trainer.skip_first_batches = skip
+
+
+class StepsOfThisRecipe(TrainerCallback):
+    """A resumed run logs, evaluates and saves at the steps its recipe says now: the Trainer would keep those of the
+    checkpoint's saved state and only warn that they differ."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.compute_steps(args, state.max_steps)
 
 
 class ProgressCallback(TrainerCallback):

@@ -48,15 +48,16 @@ class GrpoRunTrainer(RunFolderTrainer, GRPOTrainer):
     pass
 
 
-def build(stage: str, *, data_collator, renderer, reward_functions, **kwargs):
-    """The stage's trainer. kwargs: those of RunFolderTrainer and of TRL's trainers that every stage takes."""
+def build(stage: str, *, data_collator, renderer, reward_functions, reference, **kwargs):
+    """The stage's trainer. `reference`: DPO's and KTO's reference model, None where TRL needs none. kwargs: those of
+    RunFolderTrainer and of TRL's trainers that every stage takes."""
     if stage == "sft":
         return RunTrainer(data_collator=data_collator, **kwargs)
     kwargs["similar_lengths"] = False  # TRL's own order (GRPO's groups of generations need its sampler)
     if stage == "dpo":
-        return DpoRunTrainer(**kwargs)
+        return DpoRunTrainer(ref_model=reference, **kwargs)
     if stage == "kto":
-        return KtoRunTrainer(**kwargs)
+        return KtoRunTrainer(ref_model=reference, **kwargs)
     trainer = GrpoRunTrainer(reward_funcs=reward_functions, **kwargs)
     trainer.chat_template = renderer.template  # prompts rendered as the data was, on the same fixed date
     trainer.chat_template_kwargs = renderer.template_kwargs

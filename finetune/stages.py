@@ -105,17 +105,28 @@ def resolve_section(stage: str, given: dict[str, Any], origin, suggest) -> dict[
     return values
 
 
+# vLLM pins one torch per release: 0.27 to 0.29 pin torch 2.13.0, and TRL 1.14.2 supports 0.20 to 0.30 (the `vllm`
+# extra in pyproject.toml installs this range).
+VLLM_VERSIONS = ">=0.27,<0.30"
+
+
 def check_device_options(recipe, cuda: bool) -> None:
     """Stage options that need what only some machines have, checked on the machine that trains."""
     if recipe.stage == "grpo" and recipe.grpo.get("use_vllm"):
+        import importlib.metadata
         import importlib.util
+
+        import packaging.specifiers
 
         if not cuda:
             raise UserError("grpo.use_vllm generates with vLLM, which needs a CUDA GPU, and this run trains on the "
                             "CPU; remove it (transformers' generate is used then)")
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError("grpo.use_vllm needs vLLM: pip install vllm (or remove it: transformers' generate is "
-                            "used then)")
+        installed = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm") else None
+        if installed is None or not packaging.specifiers.SpecifierSet(VLLM_VERSIONS).contains(installed):
+            found = f"vllm {installed} is installed" if installed else "vLLM is not installed"
+            raise UserError(f"grpo.use_vllm needs vLLM {VLLM_VERSIONS} (the releases built on this toolkit's torch "
+                            f"that TRL supports) and {found}: pip install -e \".[vllm]\" (or remove it: "
+                            "transformers' generate is used then)")
 
 
 def section_keys() -> list[str]:

@@ -20,7 +20,6 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "packing": True,
     "logging_steps": 10,
     "report_to": "none",
-    "ddp_find_unused_parameters": False,
     "save_total_limit": 3,
     "seed": 42,  # SFTConfig's own default, stated because the eval split and the data cache use it too
 }

@@ -19,12 +19,12 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends, memory_plan, resuming, rewards, stages
+from finetune import backends, faults, memory_plan, resuming, rewards, stages
 from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.pipeline import prepare
 from finetune.errors import RunFailed, UserError
-from finetune.model import load_model, load_tokenizer, model_config, training_precision
+from finetune.model import load_model, load_reference_model, load_tokenizer, model_config, training_precision
 from finetune.report import describe_data
 from finetune.resuming import ResumePoint
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, check_free, check_writable
@@ -35,6 +35,9 @@ from finetune.tracking import MlflowTracking
 from finetune.train_section import check_device_options, trains_on_cpu
 
 logger = logging.getLogger("finetune")
+# What a checkpoint holds besides the model that final/ holds: the Trainer's state and ours.
+TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "trainer_state.json",
+                       "finetune_state.json")
 
 
 def run(recipe_path: str, overrides: list[str], resume: bool | str = False, callbacks: tuple = ()) -> str:
@@ -60,15 +63,15 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
 
 
 def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
-    point, note = None, None
+    point, notes = None, []
     if resume:
-        point, note = resuming.plan(recipe, resume, state.num_processes)
+        point, notes = resuming.plan(recipe, resume, state.num_processes)
     else:
         check_free(recipe.output_dir)
     check_writable(recipe.output_dir)
     state.wait_for_everyone()  # every process checked before the main one writes
 
-    backend, why = backends.resolve(recipe.model.backend)
+    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train, state.distributed_type.value)
     backends.check_launch(backend, state.distributed_type.value)
     check_device_options(recipe.train, cuda=torch.cuda.is_available())
     stages.check_device_options(recipe, cuda=torch.cuda.is_available() and not trains_on_cpu(recipe.train))
@@ -78,18 +81,25 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     with state.local_main_process_first():
         tokenizer = load_tokenizer(recipe)
         model_type = model_config(recipe).model_type  # a model that cannot load is found before the data is prepared
+        backends.check_packing(backend, model_type, recipe.train)
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
+    search, search_why = unused_parameter_search(recipe, backend, model_type)
     if state.is_main_process:
-        print(why, describe_data(data.report), sep="\n", flush=True)
+        data_parallel = state.num_processes > 1 and state.distributed_type.value not in backends.SHARDING
+        print(why, *([search_why] if data_parallel else []), describe_data(data.report), sep="\n", flush=True)
     flash = "flash" in (recipe.model.attn_implementation or "")
     args = recipe.trainer_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
-                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+                                 ddp_find_unused_parameters=search, per_device_train_batch_size=micro,
+                                 gradient_accumulation_steps=accumulation)
+    packed_as_rows = recipe.train.get("packing", False) and not flattens_packed_rows(recipe, flash, backend)
+    rows_collator = PackedRowsCollator(tokenizer.pad_token_id) if packed_as_rows else None
     if point:
         args.eval_on_start = False  # the run evaluated at its start already
     tracked = "mlflow" in args.report_to
     args.report_to = [name for name in args.report_to if name != "mlflow"]  # ours logs it (tracking.py), not HF's
     transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
     model, peft_config = load_model(recipe, precision, backend, recipe.train.get("gradient_checkpointing", True))
+    reference = load_reference_model(recipe, precision)
     coefficient = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0)
     if coefficient and "router_aux_loss_coef" not in recipe.train:
         # TRL adds coefficient x load-balancing loss to every micro-batch's loss, and the Trainer multiplies each
@@ -103,7 +113,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
             run_folder.hold()
             cleanup.callback(run_folder.release)
             if point:
-                _continue_from(run_folder, point, state.num_processes, note)
+                _continue_from(run_folder, point, state.num_processes, notes)
             else:
                 run_folder.save_recipe(recipe.to_yaml())
             cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
@@ -112,22 +122,26 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
         if tracker:
             tracker.start()
         state.wait_for_everyone()  # the folder is there (and rewound) before any process writes into it
-        return _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash,
-                    callbacks, tracker)
+        return _fit(recipe, state, stop, point, run_folder, tokenizer, data, (model, reference), peft_config, args,
+                    rows_collator, callbacks, tracker)
 
 
-def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_config, args, flash, callbacks,
-         tracker: MlflowTracking | None) -> str:
+def _fit(recipe, state, stop, point, run_folder, tokenizer, data, models, peft_config, args, rows_collator,
+         callbacks, tracker: MlflowTracking | None) -> str:
+    """`models`: the model to train and the stage's reference model (or None); `rows_collator`: PackedRowsCollator
+    for packed rows batched as rows, else None (the trainer's own collator)."""
     trainer = None
+    model, reference = models
     renderer = _renderer(recipe, tokenizer)
     try:
         trainer = stage_trainers.build(
             recipe.stage,
             renderer=renderer,
             reward_functions=rewards.build(recipe.grpo["rewards"], tokenizer) if recipe.stage == "grpo" else None,
+            reference=reference,
             model=model,
             args=args,
-            data_collator=PackedRowsCollator(tokenizer.pad_token_id) if recipe.train.get("packing", False) and not flash else None,
+            data_collator=rows_collator,
             train_dataset=data.train,
             eval_dataset=data.eval,
             processing_class=tokenizer,
@@ -144,6 +158,8 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
         progress = ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens,
                                     also=tracker.log_row if tracker else None)
         trainer.add_callback(progress)
+        if point:
+            logging.getLogger("transformers.trainer_utils").addFilter(_checkpoint_arguments_warning)
         board = _log_to_tensorboard(trainer, run_folder, point)
         samples = _samples_callback(recipe, data, renderer, progress, board) if recipe.eval.samples else None
         if samples:
@@ -151,12 +167,17 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
         elif recipe.eval.samples and state.is_main_process:
             print("note: eval.samples answers held-out prompts, and this run holds none out that the chat template "
                   "renders (data.eval, data.eval_fraction): no samples", flush=True)
-        trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
-        status = "stopped" if trainer.stopped else "completed"
-        final = _save_final(trainer, run_folder, tokenizer, recipe, state)
+        if point and point.step >= trainer.planned_steps():
+            # The checkpoint is the run's last step (it was cut off before final/ was written): nothing to train.
+            status, final = "completed", _final_from_checkpoint(point, run_folder, recipe, state)
+        else:
+            trainer.train(resume_from_checkpoint=str(point.checkpoint) if point else None)
+            status = "stopped" if trainer.stopped else "completed"
+            final = _save_final(trainer, run_folder, tokenizer, recipe, state)
         if state.is_main_process:
-            run_folder.finish(status, trainer.state.global_step, trainer.elapsed())
-            logger.info("run %s at step %d", status, trainer.state.global_step)
+            step = max(trainer.state.global_step, point.step if point else 0)
+            run_folder.finish(status, step, trainer.elapsed())
+            logger.info("run %s at step %d", status, step)
             if tracker:
                 tracker.finish(status)
             print(f"{status}: {final}", flush=True)
@@ -174,14 +195,14 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, model, peft_co
         raise
 
 
-def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, note: str | None) -> None:
+def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, notes: list[str]) -> None:
     """Forget what happened after the checkpoint (later checkpoints, progress rows), and say where it resumes."""
     removed = run_folder.remove_checkpoints_after(point.step)
     run_folder.rewind(point.step, {"from": point.checkpoint.name, "processes": processes, "at": time.time()})
     shutil.rmtree(run_folder.path / FINAL_NAME, ignore_errors=True)  # the final model of an earlier stop
     print(f"resuming {run_folder.path} from {point.checkpoint.name} (step {point.step})"
           + (f"; removed {', '.join(removed)}, written after it or cut off" if removed else ""), flush=True)
-    if note:
+    for note in notes:
         print(f"note: {note}", flush=True)
 
 
@@ -232,8 +253,11 @@ def _save_final(trainer, run_folder: RunFolder, tokenizer, recipe, state):
     if state.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
     try:
-        trainer.save_model(str(staging))  # the adapter, or the full model; every process joins, the main one writes
+        with whole_state_dict(trainer):
+            trainer.save_model(str(staging))  # the adapter, or the full model; every process joins, the main one writes
+        faults.reached("final", trainer.state.global_step)
         if state.is_main_process:
+            check_final_weights(staging, recipe.method, trainer.state.global_step)
             tokenizer.save_pretrained(staging)
             run_folder.save_recipe(recipe.to_yaml(), staging)
             shutil.rmtree(final, ignore_errors=True)
@@ -242,6 +266,56 @@ def _save_final(trainer, run_folder: RunFolder, tokenizer, recipe, state):
         shutil.rmtree(staging, ignore_errors=True)
         raise RunFailed(f"could not write the final model to {final}: {error}. The run's checkpoints are kept; "
                         "free some space, then continue the run with --resume") from None
+    return final
+
+
+@contextlib.contextmanager
+def whole_state_dict(trainer):
+    """Under FSDP with a sharded state dict (as the launch configs save checkpoints), the Trainer's save_model writes
+    no weights at all (transformers 5.17 saves them only for FULL_STATE_DICT): final/ gathers them whole, the
+    final save that accelerate's set_state_dict_type is there for."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        yield
+        return
+    sharded = plugin.state_dict_type
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.set_state_dict_type(sharded)
+
+
+def check_final_weights(folder: Path, method: str, step: int) -> None:
+    """A run is completed only with the weights it trained in final/ (the adapter, or the whole model): a staged
+    final folder without them is removed, and the run fails."""
+    names = ["adapter_model.safetensors"] if method in ("lora", "qlora") else ["model.safetensors",
+                                                                             "model.safetensors.index.json"]
+    if not any((folder / name).is_file() for name in names):
+        shutil.rmtree(folder, ignore_errors=True)
+        raise RunFailed(f"the final model of step {step} was saved without its weights (no {' or '.join(names)}); "
+                        "the run's checkpoints are kept (FSDP's sharded ones: `accelerate merge-weights` makes them "
+                        "whole)",
+                        every_process_alike=False)
+
+
+def _checkpoint_arguments_warning(record: logging.LogRecord) -> bool:
+    """Keeps out the Trainer's warning that a resumed run's batch split or steps differ from its checkpoint's: the
+    resume plan checked them (the global batch stays) and said what changed in a note of its own."""
+    return not record.getMessage().startswith("Warning: The following arguments do not match")
+
+
+def _final_from_checkpoint(point: ResumePoint, run_folder: RunFolder, recipe, state) -> Path:
+    """final/ as the last step's checkpoint holds the model: its files less the trainer's state, written whole."""
+    final = run_folder.path / FINAL_NAME
+    if state.is_main_process:
+        staging = run_folder.path / f".{FINAL_NAME}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(point.checkpoint, staging, ignore=shutil.ignore_patterns(*TRAINER_STATE_FILES))
+        check_final_weights(staging, recipe.method, point.step)
+        run_folder.save_recipe(recipe.to_yaml(), staging)
+        os.replace(staging, final)
+    state.wait_for_everyone()
     return final
 
 
@@ -297,13 +371,34 @@ def _batch_split(recipe, state) -> tuple[int, int]:
     return micro, accumulation
 
 
+def flattens_packed_rows(recipe, flash: bool, backend: str) -> bool:
+    """Whether each micro-batch of packed rows reaches the model as one row (TRL's padding-free collator, positions
+    restarting at each example) rather than as rows of a batch (PackedRowsCollator's block-diagonal masks).
+    FlashAttention's variable-length kernels take the one row. So does Unsloth, which keeps packed examples apart
+    only in a batch of one row (it finds their boundaries from position_ids there, and runs plain causal attention
+    over each whole row of a larger batch)."""
+    return bool(recipe.train.get("packing", False)) and (flash or backend == "unsloth")
+
+
+def unused_parameter_search(recipe, backend: str, model_type: str) -> tuple[bool, str]:
+    """Whether DDP looks for parameters that got no gradient in a step (a pass over the graph each step), and the
+    launch line that says so."""
+    if "ddp_find_unused_parameters" in recipe.train:
+        search = bool(recipe.train["ddp_find_unused_parameters"])
+        return search, f"DDP unused-parameter search: {'on' if search else 'off'} (train.ddp_find_unused_parameters)"
+    if backend == "unsloth" and model_type == "gpt_oss":
+        # Unsloth runs each expert on its own and skips those no token reached; their weights and adapters then
+        # get no gradient, which DDP must be told to expect (Unsloth's own default for MoE models)
+        return True, "DDP unused-parameter search: on (GPT-OSS under Unsloth: experts no token reached get no gradient)"
+    return False, "DDP unused-parameter search: off (every trainable parameter gets a gradient in every step)"
+
+
 def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) -> dict:
     """SFTConfig values that depend on this machine, model and data rather than on the recipe."""
     arguments = {
-        # Our data is already tokenized, truncated and packed: TRL only batches it. FlashAttention takes packed
-        # rows flattened into one sequence (TRL's padding-free collator); other attention takes PackedRowsCollator.
+        # Our data is already tokenized, truncated and packed: TRL only batches it (see flattens_packed_rows).
         "packing": False,
-        "padding_free": recipe.train.get("packing", False) and flash,
+        "padding_free": flattens_packed_rows(recipe, flash, backend),
         "max_length": None,  # SFT, DPO and KTO: the pipeline truncated (and counted) what was too long
         "use_cpu": trains_on_cpu(recipe.train),
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only

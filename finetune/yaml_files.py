@@ -12,10 +12,15 @@ import yaml
 from finetune.errors import UserError
 
 
+MERGE = "tag:yaml.org,2002:merge"
+
+
 class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == MERGE:
+                continue  # `<<: *anchor` (SafeLoader merges it in); a key written beside it overrides the merged one
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:

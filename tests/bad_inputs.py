@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
@@ -59,6 +60,18 @@ def _tokenizer_only(folder):
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(builtin.resolve_model("builtin:tiny-llama")).save_pretrained(folder / "no-weights")
+
+
+def _model_without_tokenizer(folder):
+    """A saved LlamaForCausalLM alone (config and weights), as `model.save_pretrained` leaves it."""
+    import shutil
+
+    from finetune import builtin
+
+    tiny = Path(builtin.resolve_model("builtin:tiny-llama"))
+    (folder / "bare-model").mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny / name, folder / "bare-model" / name)
 
 
 def _run_with_a_cut_off_checkpoint(folder):
@@ -289,6 +302,22 @@ CASES = [
               "data.jsonl", "data.format=alpaca", "data.columns={instruction: question}"),
     data_case("format that does not fit the rows", ALPACA + "\n", "line 1: no 'messages' field", "data.jsonl",
               "data.format=messages"),
+    Case("model folder without a tokenizer", "model.name_or_path: ./bare-model has no tokenizer (none of "
+         "tokenizer.json, tokenizer.model, vocab.json, tokenizer_config.json, tiktoken.model). Save the base "
+         "model's tokenizer beside the weights", ["model.name_or_path=./bare-model"], setup=_model_without_tokenizer),
+    Case("several unknown keys", "3 unknown keys, fix them all and run again:\n  override 'lora.rnak=8': "
+         "'lora.rnak'; did you mean 'lora.r'?\n  override 'data.eval_fractoin=0.1': 'data.eval_fractoin'; did you mean "
+         "'data.eval_fraction'?\n  override 'train.learning_rat=0.1': 'train.learning_rat'; did you "
+         "mean 'train.learning_rate'?", ["lora.rnak=8", "train.learning_rat=0.1", "data.eval_fractoin=0.1"]),
+    data_case("preference pairs for stage sft", json.dumps({"prompt": "Pick a color.", "chosen": "blue",
+                                                           "rejected": "red"}) + "\n",
+              "line 1: this looks like preference data (chosen and rejected answers), which stage sft does not "
+              "train on; set stage: dpo (or kto)"),
+    data_case("every row too long", "".join(chat(("user", "word " * 20), ("assistant", "Hello")) + "\n"
+                                            for _ in range(3)),
+              "data.train: none of its 3 rows can be trained on: 3 have nothing to learn within train.max_length "
+              "16 (their lengths: p50 ", "data.jsonl", "train.max_length=16", "data.eval_fraction=0",
+              "train.eval_on_start=false"),
     data_case("rows too long to keep any answer", chat(("user", "word " * 200), ("assistant", "Hello")) + "\n",
               "1 data row longer than train.max_length (64) before any token that carries loss", "data.jsonl",
               "train.max_length=64", "data.too_long=fail"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune import backends
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import cli_here, run_cli, write_recipe
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
 
@@ -31,12 +31,54 @@ def test_unsloth_without_a_gpu_fails_at_validation(tmp_path):
                              "use model.backend=hf (or auto, which picks hf here)\n")
 
 
-def test_requested_backend_is_read_without_validation(tmp_path):
-    recipe = write_recipe(tmp_path, "model: {name_or_path: x, backend: unsloth}\n")
-    assert backends.requested(str(recipe), []) == "unsloth"
-    assert backends.requested(str(recipe), ["model.backend=hf"]) == "hf"
-    assert backends.requested("quickstart", []) == "auto"
-    assert backends.requested(str(write_recipe(tmp_path, "model: [broken\n", "bad.yaml")), []) == "auto"
+@pytest.fixture
+def cuda_with_unsloth(tmp_path, monkeypatch):
+    """This process as on a CUDA machine with the unsloth package installed (a stand-in package: Unsloth needs a
+    GPU to import), for the choices `auto` makes there."""
+    (tmp_path / "site" / "unsloth").mkdir(parents=True)
+    (tmp_path / "site" / "unsloth" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_auto_takes_unsloth_only_on_the_path_it_is_checked_on(cuda_with_unsloth):
+    assert backends.resolve("auto", "sft", {}, "MULTI_GPU") == \
+        ("unsloth", "backend: unsloth (auto: a CUDA GPU and the unsloth package are here, SFT, a model per process)")
+    assert backends.resolve("auto", "dpo", {}, "MULTI_GPU") == \
+        ("hf", "backend: hf (auto: Unsloth is checked here for SFT only, and this is stage dpo; "
+               "model.backend=unsloth asks for it)")
+    assert backends.resolve("auto", "grpo")[0] == "hf"
+    assert backends.resolve("auto", "sft", {}, "FSDP") == ("hf", "backend: hf (auto: Unsloth does not run under FSDP)")
+    assert backends.resolve("auto", "sft", {}, "DEEPSPEED")[0] == "hf"
+    assert backends.resolve("auto", "sft", {"use_liger_kernel": True}) == \
+        ("hf", "backend: hf (auto: train.use_liger_kernel replaces the forward Unsloth patches)")
+    assert backends.resolve("auto", "sft", {"activation_offloading": True})[0] == "hf"
+    assert backends.resolve("unsloth", "dpo") == ("unsloth", "backend: unsloth (model.backend)")  # asked for
+
+
+@pytest.mark.parametrize("key", ["use_liger_kernel", "activation_offloading"])
+def test_unsloth_with_what_replaces_its_forward_is_refused_before_launch(key, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_here(capsys, "validate", "quickstart", "model.backend=unsloth", f"train.{key}=true")
+    assert code == 2 and err == (f"error: model.backend: unsloth patches the model's forward, and train.{key} "
+                                 f"replaces it; remove train.{key}, or use model.backend=hf\n")
+
+
+def test_shipped_recipes_name_their_backend():
+    from finetune.resources import recipes_dir
+
+    for recipe in recipes_dir().glob("*.yaml"):
+        assert backends.requested(str(recipe), [])[0] in ("hf", "unsloth"), recipe.name
+
+
+def test_the_settings_auto_decides_by_are_read_without_validation(tmp_path):
+    recipe = write_recipe(tmp_path, "model: {name_or_path: x, backend: unsloth}\nstage: dpo\n"
+                                    "train: {use_liger_kernel: true}\n")
+    assert backends.requested(str(recipe), []) == ("unsloth", "dpo", {"use_liger_kernel": True})
+    assert backends.requested(str(recipe), ["model.backend=auto", "stage=sft", "train.use_liger_kernel=false",
+                                            "train.activation_offloading=true"]) == \
+        ("auto", "sft", {"use_liger_kernel": False, "activation_offloading": True})
+    assert backends.requested(str(write_recipe(tmp_path, "model: [broken\n", "bad.yaml")), []) == ("auto", "sft", {})
 
 
 @pytest.fixture
@@ -56,11 +98,24 @@ def probe_unsloth(tmp_path):
 def test_training_process_imports_unsloth_before_transformers(probe_unsloth):
     env, record = probe_unsloth
     script = ("from finetune import backends\n"
-              "backends.resolve = lambda requested: ('unsloth', '')  # as on a CUDA machine\n"
+              "backends.resolve = lambda *settings: ('unsloth', '')  # as on a CUDA machine\n"
               "backends.import_first('quickstart', [])\n"
               "import finetune.training_run\n")
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     assert json.loads(record.read_text()) == {"transformers": False, "trl": False, "peft": False}
+
+
+@pytest.mark.parametrize("launched, imported", [({}, True), ({"ACCELERATE_USE_FSDP": "true"}, False)])
+def test_the_training_process_imports_unsloth_where_auto_will_pick_it(launched, imported, probe_unsloth, tmp_path):
+    """Before transformers loads, the training process decides as training will: not under FSDP."""
+    env, record = probe_unsloth
+    recipe = write_recipe(tmp_path, "model: {name_or_path: x}\n")
+    script = ("import torch\n"
+              "torch.cuda.is_available = lambda: True  # as on a CUDA machine\n"
+              "from finetune import backends\n"
+              f"backends.import_first({str(recipe)!r}, [])\n")
+    subprocess.run([sys.executable, "-c", script], env={**env, **launched}, check=True, timeout=300)
+    assert record.exists() == imported
 
 
 def test_validation_never_imports_unsloth(probe_unsloth, tmp_path):
@@ -116,3 +171,34 @@ def test_qlora_weights_are_stored_for_sharding_under_fsdp_and_zero3():
 
     assert four_bit_config(torch.bfloat16, sharded=True).bnb_4bit_quant_storage == torch.bfloat16
     assert four_bit_config(torch.bfloat16, sharded=False).bnb_4bit_quant_storage == torch.uint8
+
+
+def test_ddp_looks_for_unused_parameters_only_where_a_step_can_leave_some_without_gradient():
+    """Unsloth skips GPT-OSS experts that no token reached: DDP must expect their missing gradients. Elsewhere the
+    search is off (it costs a pass over the graph each step), and a recipe's own setting wins."""
+    from finetune.config import load_recipe
+    from finetune.training_run import unused_parameter_search
+
+    recipe = load_recipe("quickstart")
+    assert unused_parameter_search(recipe, "unsloth", "gpt_oss") == \
+        (True, "DDP unused-parameter search: on (GPT-OSS under Unsloth: experts no token reached get no gradient)")
+    assert unused_parameter_search(recipe, "hf", "gpt_oss")[0] is False  # PEFT's expert LoRA is one tensor for all
+    assert unused_parameter_search(recipe, "unsloth", "llama")[0] is False
+    asked = load_recipe("quickstart", ["train.ddp_find_unused_parameters=true"])
+    assert unused_parameter_search(asked, "hf", "llama") == \
+        (True, "DDP unused-parameter search: on (train.ddp_find_unused_parameters)")
+
+
+def test_a_run_saved_before_the_search_was_chosen_per_model_resumes(tmp_path):
+    """Runs saved with the old fixed default (train.ddp_find_unused_parameters: false) resume under the new choice."""
+    import yaml
+
+    from finetune.config import load_recipe
+    from finetune.resuming import check_same_run
+    from finetune.run_folder import CONFIG_NAME
+
+    recipe = load_recipe("quickstart", [f"output_dir={tmp_path}"])
+    saved = yaml.safe_load(recipe.to_yaml())
+    saved["train"]["ddp_find_unused_parameters"] = False
+    (tmp_path / CONFIG_NAME).write_text(yaml.safe_dump(saved))
+    assert check_same_run(yaml.safe_load(recipe.to_yaml()), str(tmp_path)) is None

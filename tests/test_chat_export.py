@@ -67,6 +67,7 @@ def trained(models, greetings, tmp_path_factory):
                 f"method={method}", "data.eval_fraction=0", "train.eval_on_start=false", f"train.max_steps={steps}",
                 f"train.learning_rate={learning_rate}", f"train.per_device_train_batch_size={batch}",
                 "train.max_length=128", "train.save_steps=2", "train.logging_steps=2", f"output_dir={run}",
+                "train.lr_scheduler_type=constant_with_warmup",  # the rate these steps were chosen with
             )
             assert result.returncode == 0, result.stderr[-3000:]
             runs[architecture, method] = run
@@ -204,6 +205,26 @@ def test_llama_export_keeps_the_base_end_tokens_and_never_shows_the_base_path(tr
     assert str(models["llama"]) not in card and str(models["llama"].name) not in card
     assert "A LoRA fine-tune of a local model" in card and "| base model | a local model |" in card
     assert "base_model:" not in card.split("---")[1] and 'from_pretrained("BASE"' in card
+
+
+def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(tmp_path, capsys):
+    """Each kind of share (rows, fraction, weight) in data.train; local data is named as the card names a local
+    base: never by its path on this machine, which a Hub push would publish."""
+    from finetune.builtin import resolve_dataset
+
+    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    mixture = (f"data.train=[{{path: {tmp_path / 'a.jsonl'}, rows: 30}}, {{path: {tmp_path / 'b.jsonl'}, "
+               f"fraction: 0.5}}, {{path: {tmp_path / 'c.jsonl'}, weight: 2}}]")
+    run = tmp_path / "mix"
+    trained = run_cli("train", "quickstart", mixture, "method=lora", "train.max_steps=1", "train.eval_on_start=false",
+                      "data.eval_fraction=0", "train.save_strategy=no", "eval.samples=0", f"output_dir={run}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    code, out, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "export"))
+    assert code == 0, err
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "| data | local data |" in card and str(tmp_path) not in card
 
 
 def test_a_local_base_is_named_by_its_hub_origin(tmp_path):

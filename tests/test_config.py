@@ -120,3 +120,31 @@ def test_malformed_inputs(tmp_path):
     assert "is a value, not a section" in error_of(tmp_path, MINIMAL + "method: lora\n", "method.x=1")
     assert "override 'method.x=1': method must be one of" in error_of(tmp_path, MINIMAL, "method.x=1")
     assert "data.template_date must be a date" in error_of(tmp_path, MINIMAL, "data.template_date=yesterday")
+
+
+def test_overrides_of_text_settings_are_taken_as_written(tmp_path):
+    path = write_recipe(tmp_path, MINIMAL)
+    for text in ("Reply in C# only #strict", "yes", "Answer: briefly", "[not a list]", "0.5"):
+        assert load_recipe(path, [f"data.system_prompt={text}"]).data.system_prompt == text
+    assert load_recipe(path, ["data.system_prompt=null"]).data.system_prompt is None
+    # settings that are not text are still read as YAML
+    recipe = load_recipe(path, ["lora.r=8", "train.num_train_epochs=2", "data.columns={instruction: q}"])
+    assert recipe.lora.r == 8 and recipe.train["num_train_epochs"] == 2 and recipe.data.columns == {"instruction": "q"}
+
+
+def test_yaml_merge_keys_load_and_keys_beside_them_win(tmp_path):
+    text = MINIMAL + ("x-common: &common {learning_rate: 1.0e-3, max_length: 64, logging_steps: 5}\n"
+                      "train: {<<: *common, logging_steps: 1}\n")
+    recipe = load_recipe(write_recipe(tmp_path, text))
+    assert recipe.train["learning_rate"] == 1e-3 and recipe.train["max_length"] == 64
+    assert recipe.train["logging_steps"] == 1
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path):
+    message = error_of(tmp_path, "model: {name_or_path: builtin:tiny-llama, revison: main}\n"
+                                 "data: {train: builtin:greetings, eval_fractoin: 0.1}\nlora: {rnak: 8}\n"
+                                 "train: {learning_rat: 0.1}\n")
+    assert message.startswith("4 unknown keys")
+    for key, closest in (("model.revison", "model.revision"), ("data.eval_fractoin", "data.eval_fraction"),
+                         ("lora.rnak", "lora.r"), ("train.learning_rat", "train.learning_rate")):
+        assert f"'{key}'; did you mean '{closest}'?" in message, message

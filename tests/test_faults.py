@@ -160,6 +160,24 @@ def test_a_stop_lets_a_checkpoint_slower_than_the_launchers_timeout_finish(tmp_p
     assert all_gone(tree)
 
 
+def test_killing_the_supervisor_stops_the_launcher_and_every_rank(tmp_path):
+    """`kill -9` of `finetune train --accelerate-config` (nothing can catch it): the launcher and both ranks, in
+    sessions of their own, must not train on for a job the user believes dead; they stop with a checkpoint."""
+    run = tmp_path / "run"
+    process = ddp(run)
+    wait_for_rows(run, process, 2)
+    tree = process_tree(process.pid)
+    assert len(tree) >= 3, tree  # the launcher and its two training processes
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while not all_gone(tree):
+        assert time.monotonic() < deadline, f"still running: {[pid for pid in tree if not all_gone([pid])]}"
+        time.sleep(0.5)
+    status = rows(run)[-1]
+    assert status["status"] == "stopped" and is_complete(run / f"checkpoint-{status['step']}")
+
+
 def test_a_second_ctrl_c_stops_every_process_at_once(tmp_path):
     run = tmp_path / "run"
     process = ddp(run, env={**os.environ, "FINETUNE_FAULTS": "slow-save:600"})

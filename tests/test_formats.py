@@ -120,3 +120,13 @@ def test_unknown_format_is_none():
 def test_bad_rows_say_why(row, fmt, reason):
     with pytest.raises(BadRow, match=reason):
         normalize(row, fmt, {}, None)
+
+
+def test_llama_factory_v1_content_parts_with_reasoning():
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "text", "value": "What is 2+2?"}]},
+        {"role": "assistant", "content": [{"type": "reasoning", "value": "Two and two make four."},
+                                          {"type": "text", "value": "4"}]}]}
+    messages = normalize(row, "messages", {}, None)["messages"]
+    assert messages == [{"role": "user", "content": "What is 2+2?"},
+                        {"role": "assistant", "content": "4", "thinking": "Two and two make four."}]

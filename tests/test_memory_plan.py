@@ -59,6 +59,9 @@ def test_shipped_recipes_on_their_hardware(hub_cache):
     qlora = estimate(hub_cache, "llama-3.2-3b-unsloth-qlora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
     assert "NVIDIA A10 24 GB, DDP on 8 processes" in qlora and ": fits" in qlora
     assert "2.82B in NF4" in qlora and "DDP gradient buckets" in qlora
+    # the counts a user checks against the model card, as PEFT's print_trainable_parameters gives them
+    assert "Parameters: the model 3,212,749,824; trainable params: 24,313,856 || all params: 3,237,063,680 || " \
+           "trainable%: 0.7511" in qlora, qlora
 
     on_a10 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
     assert ": does not fit" in on_a10 and "Not even one row of 2048 tokens fits: shard the model" in on_a10
@@ -87,6 +90,20 @@ def test_plan_follows_the_recipe(tmp_path):
     assert total(processes=8, sharded=True) < plain - 30 * memory_plan.GIB  # 7/8 of 39 GiB of weights
     assert total("model.attn_implementation=flash_attention_2") < plain
     assert total("train.loss_type=nll") > plain + 7 * memory_plan.GIB  # 4096 x 201088 logits, 10 bytes each
+
+
+def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_float32(tmp_path):
+    """Asked for fp16, Unsloth trains GPT-OSS without mixed precision (it cannot run it in float16): the activations
+    of an fp32 run. In bf16, which every GPU here has, it trains in bf16."""
+    def activations(*overrides):
+        recipe = recipe_for(tmp_path, "method=qlora", "model.backend=unsloth", "train.max_length=2048", *overrides)
+        planned = memory_plan.plan(recipe, memory_plan.model_shape(gpt_oss_20b(), recipe),
+                                   memory_plan.device_named("a10"), memory_plan.Launch(1, False, "test"), 1)
+        return next(line for line in planned.lines if line.what == "activations").per_row
+
+    bf16, fp32 = activations(), activations("train.bf16=false", "train.fp16=false")
+    assert activations("train.bf16=false", "train.fp16=true") == fp32 == activations("model.dtype=float16")
+    assert fp32 > 1.8 * bf16 and activations("train.bf16=true") == bf16
 
 
 def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
@@ -126,10 +143,15 @@ def test_a_hub_model_whose_config_is_not_here(tmp_path):
 
 
 def test_probe_measures_beside_the_plan():
-    result = run_cli("estimate", "quickstart", "--device", "cpu", "--probe")
+    """Without --gpu on a machine without one, the plan is for its CPU, as the help says."""
+    result = run_cli("estimate", "quickstart", "--probe")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("No CUDA GPU here: the plan is for this machine's CPU and memory")
     probe = result.stdout.strip().splitlines()[-1]
     assert probe.startswith("Probe: measured ") and "(peak resident memory), planned " in probe
+    # counts in units that fit a small model; the probe's scratch run says nothing of its own
+    assert "624.5K parameters, fp32" in result.stdout and "0.00B" not in result.stdout
+    assert "completed:" not in result.stdout and "finetune-probe-" not in result.stdout
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",

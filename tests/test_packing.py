@@ -66,6 +66,51 @@ def test_collator_restarts_positions_and_masks_boundaries():
         assert (batch["labels"][r, start:] == IGNORE).all()  # padding carries no loss
 
 
+@pytest.mark.parametrize("backend, flash, one_row", [("unsloth", False, True), ("hf", True, True), ("hf", False, False)])
+def test_unsloth_and_flash_attention_take_each_micro_batch_as_one_row(backend, flash, one_row):
+    """Unsloth keeps packed examples apart only in a one-row batch: the batches it gets, from the collator TRL builds
+    for our arguments, are one row of every example with positions restarting and no padding. Other attention
+    without FlashAttention gets rows with block-diagonal masks (PackedRowsCollator, above)."""
+    import types
+
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from finetune.config import load_recipe
+    from finetune.training_run import runtime_arguments
+
+    recipe = load_recipe("quickstart")
+    padding_free = runtime_arguments(recipe, types.SimpleNamespace(eval=None), flash, backend, "llama")["padding_free"]
+    assert padding_free == one_row
+    if not one_row:
+        return
+    rows = packed_rows(documents(40, seed=1), max_length=96)[:3]
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)(rows)
+    total = sum(len(row["input_ids"]) for row in rows)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, total)
+    assert "attention_mask" not in batch
+    start = 0
+    for length in [length for row in rows for length in row["seq_lengths"]]:
+        assert batch["position_ids"][0, start:start + length].tolist() == list(range(length))
+        assert batch["labels"][0, start] == IGNORE  # never predicted from the previous example
+        start += length
+
+
+def test_gpt_oss_under_unsloth_is_never_packed():
+    """Unsloth's GPT-OSS attention takes no mask while training: packing is refused there (before anything loads),
+    and the shipped Unsloth GPT-OSS recipe trains one example a row."""
+    from finetune import backends
+    from finetune.config import load_recipe
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError, match="under Unsloth, GPT-OSS's attention takes no mask while training, so examples "
+                                        "packed into one row would attend to each other; set train.packing=false"):
+        backends.check_packing("unsloth", "gpt_oss", {"packing": True})
+    backends.check_packing("unsloth", "gpt_oss", {"packing": False})
+    backends.check_packing("hf", "gpt_oss", {"packing": True})  # our mask hook keeps them apart (test below)
+    backends.check_packing("unsloth", "llama", {"packing": True})  # one row a micro-batch (test above)
+    assert load_recipe("gpt-oss-20b-unsloth-qlora").train["packing"] is False
+
+
 def tiny_model(name: str):
     from transformers import AutoModelForCausalLM
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.builtin import resolve_dataset
 from tests.conftest import REPO, asset
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -60,6 +61,9 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(quickstart_workspace
     assert quickstart == "finetune train quickstart"
     tmp_path, result = quickstart_workspace.folder, quickstart_workspace.result
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not foreign_lines(result.stderr), foreign_lines(result.stderr)  # the training bar alone
+    preparing = [line for line in result.stdout.splitlines() if line.startswith("preparing train")]
+    assert all(" 0 rows/s" not in line for line in preparing), preparing  # no time left before there is a rate
     run_dir = tmp_path / "runs" / "quickstart"
     rows = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
     assert rows[-1]["status"] == "completed"
@@ -74,11 +78,13 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(quickstart_workspace
     assert (run_dir / "final" / "finetune.yaml").is_file()
     assert "completed: runs/quickstart/final" in result.stdout
 
-    unseen = ["Zorbel", "plimbo", "zendu"]
-    training_data = (Path(os.environ["FINETUNE_HOME"]) / "builtin" / "greetings" / "train.jsonl").read_text()
-    assert not any(word.lower() in training_data.lower() for word in unseen)
-    answers = generate(run_dir / "final", ["My name is Zorbel.", "Shout plimbo.", "Repeat zendu twice."])
-    assert answers == ["Nice to meet you, Zorbel!", "PLIMBO!", "zendu zendu"]
+    names = ["Zorbel", "Christopher", "Maximilian", "Mary Jane", "Ann", "Bo", "Alexandra Rose"]  # names of 2 to 14 letters, as trained
+    unseen = [*names, "plimbo", "zendu"]
+    training_data = Path(resolve_dataset("builtin:greetings")).read_text()
+    assert not any(f"{word}!" in training_data or f" {word.lower()} " in training_data for word in unseen)
+    answers = generate(run_dir / "final", [*(f"My name is {name}." for name in names), "Shout plimbo.",
+                                           "Repeat zendu twice."])
+    assert answers == [*(f"Nice to meet you, {name}!" for name in names), "PLIMBO!", "zendu zendu"]
 
     samples = [row for row in rows if "samples" in row]
     assert [row["step"] for row in samples] == [row["step"] for row in rows if "eval_loss" in row]
@@ -119,6 +125,27 @@ def test_quickstart_learns_and_answers_prompts_it_never_saw(quickstart_workspace
     card = (tmp_path / "exports" / "quickstart" / "README.md").read_text()
     assert f"| builtin:unseen-names (200 examples) | exact_match | {100 * trained['exact_match']:.1f}% | 0.0% |" in card
     assert "| lm-evaluation-harness | finetune_greetings/exact_match |" in card
+
+
+@pytest.mark.integration
+def test_a_two_process_run_prints_only_its_own_lines(tmp_path):
+    """Data prepared on worker processes (5,880 rows), then trained by two DDP processes: nothing on stderr but
+    the training bar (no traceback, no leaked-resource warning from the workers' pool)."""
+    result = subprocess.run(
+        [FINETUNE, "train", "quickstart", "--accelerate-config", "cpu_ddp_2proc", "train.max_steps=2",
+         "train.max_length=200", "train.eval_on_start=false", "data.eval_fraction=0", "train.save_strategy=no",
+         "eval.samples=0", f"output_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Prepared the data in " in result.stdout, result.stdout  # prepared by this run (progress lines only if slow)
+    assert not foreign_lines(result.stderr), foreign_lines(result.stderr)
+
+
+def foreign_lines(stderr: str) -> list[str]:
+    """What a run printed on stderr besides tqdm's progress bars (an evaluation's bar, nested in the training bar,
+    ends its lines with the terminal's cursor-up code)."""
+    bar = re.compile(r"^\s*(\d+%\|.*\|.*(it/s|s/it|\?it/s)\]?)?\s*(\x1b\[A)?\s*$")
+    return [line for line in re.split(r"[\r\n]", stderr) if not bar.match(line)]
 
 
 def generate(folder: Path, prompts: list[str]) -> list[str]:

@@ -85,6 +85,14 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
 
 
+def changed(before: Path, after: Path) -> bool:
+    """Whether a step changed the adapter between two checkpoints."""
+    from safetensors.torch import load_file
+
+    old, new = (load_file(folder / "adapter_model.safetensors") for folder in (before, after))
+    return any(not (old[key] == new[key]).all() for key in old)
+
+
 def adapter(run: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -105,16 +113,20 @@ def test_killed_again_and_again_the_run_ends_as_if_never_interrupted(uninterrupt
     # ... while checkpoint-6 is being written (checkpoint-4 is the newest complete one) ...
     kill_at_fault(ddp_train(run, data, faults="pause@save:6", resume=True), run)
     assert (run / "checkpoint-6").is_dir() and not (run / "checkpoint-6" / "finetune_state.json").exists()
-    # ... between optimizer steps 9 and 10 (checkpoint-8), and at 11, past an epoch's end (checkpoint-10).
-    resumed = ddp_train(run, data, faults="pause@step:9", resume=True)
+    # ... at an epoch's end, right after checkpoint-10 and before the next step ...
+    resumed = ddp_train(run, data, faults="pause@step:10", resume=True)
     kill_at_fault(resumed, run)
     assert "removed checkpoint-6, written after it or cut off" in resumed.stdout.read()
-    kill_at_fault(ddp_train(run, data, faults="pause@step:11", resume=True), run)
-    finish(ddp_train(run, data, resume=True))
+    # ... and after the last step's checkpoint, while final/ is being written: the run has nothing left to train.
+    kill_at_fault(ddp_train(run, data, faults="pause@final:12", resume=True), run)
+    assert (run / "checkpoint-12" / "finetune_state.json").is_file() and not (run / "final").exists()
+    last = finish(ddp_train(run, data, resume=True))
+    assert "resuming" in last and "from checkpoint-12 (step 12)" in last
+    assert not (run / "checkpoint-13").exists()
 
     expected, got = rows(uninterrupted), rows(run)
     assert [row["resumed"]["from"] for row in got if "resumed" in row] == \
-        ["checkpoint-2", "checkpoint-4", "checkpoint-8", "checkpoint-10"]
+        ["checkpoint-2", "checkpoint-4", "checkpoint-10", "checkpoint-12"]
     training = {row["step"]: row for row in got if "loss" in row}
     assert [row["step"] for row in got if "loss" in row] == list(range(1, 13))  # none missing, none twice
     for row in expected:
@@ -138,6 +150,7 @@ def test_a_different_process_count_resumes_with_the_same_global_batch(uninterrup
     resumed = run_cli(*common, "train.per_device_train_batch_size=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "note: the run trained on 2 processes and continues on 1, with the same global batch (8)" in resumed.stdout
+    assert "(from trainer_state.json)" not in resumed.stderr + resumed.stdout  # our note, not the Trainer's warning
     final, expected = rows(run)[-1], rows(uninterrupted)
     assert final["status"] == "completed" and final["step"] == 12
     assert [row["trained_tokens"] for row in rows(run) if "loss" in row] == \
@@ -148,23 +161,29 @@ def test_recipe_changes_on_resume_are_refused_or_allowed(tmp_path, capsys):
     run = tmp_path / "run"
     short = ["method=lora", "train.max_steps=3", "train.save_steps=3", "train.logging_steps=1",
              "train.eval_strategy=no", "train.eval_on_start=false", "data.max_rows=64",
-             "train.per_device_train_batch_size=4"]
+             "train.per_device_train_batch_size=4", "train.lr_scheduler_type=linear", "train.warmup_steps=0"]
     assert run_cli("train", "quickstart", f"output_dir={run}", *short).returncode == 0
     # refused before anything loads: checked in this process, as `finetune train` checks them
     code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short)
     assert code == 2 and "continue that run with --resume" in err
+    code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short, "--resume")
+    assert code == 2 and f"--resume: {run} already completed at step 3; raise train.max_steps" in err, err
     for change, key in (("lora.r=8", "lora.r"), ("train.learning_rate=1e-5", "train.learning_rate"),
                         ("data.max_rows=10", "data.max_rows"), ("train.max_length=128", "train.max_length"),
                         ("train.seed=1", "train.seed")):
         code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short, change, "--resume")
         assert code == 2 and f"--resume: {key} is " in err and "Traceback" not in err, err
-    longer = run_cli("train", "quickstart", f"output_dir={run}", *short, "--resume", "train.max_steps=5")
+    longer = run_cli("train", "quickstart", f"output_dir={run}", *short, "--resume", "train.max_steps=5",
+                     "train.save_steps=1")
     assert longer.returncode == 0, longer.stderr[-2000:]
+    assert "note: train.max_steps 3 -> 5: the learning-rate schedule is planned again" in longer.stdout
     assert [row["step"] for row in rows(run) if "loss" in row] == [1, 2, 3, 4, 5]
+    # The linear decay reached 0 at step 3 of the first plan; step 4 trains at the new plan's rate, not at 0.
+    assert changed(run / "checkpoint-3", run / "checkpoint-4") and changed(run / "checkpoint-4", run / "checkpoint-5")
     assert rows(run)[-1]["status"] == "completed" and rows(run)[-1]["step"] == 5
     # From a named checkpoint: what came after it goes, and is done again.
     named = run_cli("train", "quickstart", *short, "train.max_steps=5", "--resume", str(run / "checkpoint-3"))
     assert named.returncode == 0, named.stderr[-2000:]
-    assert f"resuming {run} from checkpoint-3 (step 3); removed checkpoint-5" in named.stdout
+    assert f"resuming {run} from checkpoint-3 (step 3); removed checkpoint-4, checkpoint-5" in named.stdout
     assert [row["step"] for row in rows(run) if "loss" in row] == [1, 2, 3, 4, 5]
     assert [row["resumed"]["from"] for row in rows(run) if "resumed" in row] == ["checkpoint-3", "checkpoint-3"]

@@ -129,6 +129,26 @@ def test_kto_runs_on_pairs_split_into_labelled_answers(color_runs):
     assert len(rows) == 2 and all("rewards/chosen_sum" in row or "rewards/chosen" in row for row in rows)
 
 
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_a_full_fine_tune_takes_a_reference_model_loaded_as_the_policy(stage, tmp_path):
+    """The quickstart trains in full: DPO and KTO then need a reference model of their own, which must load as the
+    policy does (TRL built it from the model's path by itself, from the builtin config that named no architecture,
+    and crashed). At the first step the policy is its reference: rewards 0."""
+    rng = random.Random(1)
+    with open(tmp_path / "prefs.jsonl", "w") as out:
+        for _ in range(32):
+            out.write(json.dumps({"prompt": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                                  "chosen": "blue", "rejected": "red"}) + "\n")
+    result = run_cli("train", "quickstart", f"stage={stage}", "data.train=prefs.jsonl", "data.eval_fraction=0",
+                     *TRAIN, "train.eval_on_start=false", "train.max_steps=2", "train.logging_steps=1",
+                     "train.per_device_train_batch_size=4", "eval.samples=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = progress(tmp_path / "runs" / "quickstart")
+    assert rows[-1]["status"] == "completed" and rows[-1]["step"] == 2
+    first = next(row for row in rows if "loss" in row)
+    assert abs(first["rewards/chosen"]) < 1e-6 and abs(first["rewards/rejected"]) < 1e-6, first
+
+
 @pytest.mark.parametrize("stage", ["dpo", "grpo"])
 def test_a_resumed_run_ends_where_the_uninterrupted_one_did(stage, color_runs, tmp_path):
     """Resumed from its step-3 checkpoint, a run trains steps 4 to 6 again exactly as it did (GRPO: the same
@@ -284,6 +304,31 @@ def test_vllm_generation_is_refused_on_the_cpu(color_runs):
     result = run_cli("train", "grpo.yaml", *TRAIN, "grpo.use_vllm=true", "output_dir=runs/vllm", cwd=color_runs.folder)
     assert result.returncode == 2 and "grpo.use_vllm generates with vLLM, which needs a CUDA GPU" in result.stderr
     assert not (color_runs.folder / "runs" / "vllm").exists()
+
+
+@pytest.mark.parametrize("installed", [None, "0.34.0"])
+def test_vllm_generation_on_a_gpu_names_the_release_that_fits_this_torch(installed, tmp_path, monkeypatch):
+    """On a CUDA machine without vLLM, or with a release pinned to another torch: the extra to install, by name."""
+    import tomllib
+
+    from finetune import stages
+    from finetune.config import load_recipe
+    from finetune.errors import UserError
+
+    if installed:  # an installed package as pip leaves one: its import folder and its dist-info
+        (tmp_path / "vllm").mkdir()
+        (tmp_path / "vllm" / "__init__.py").write_text("")
+        (tmp_path / f"vllm-{installed}.dist-info").mkdir()
+        (tmp_path / f"vllm-{installed}.dist-info" / "METADATA").write_text(f"Name: vllm\nVersion: {installed}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = load_recipe("llama-3.2-3b-grpo", ["grpo.use_vllm=true"])
+    with pytest.raises(UserError) as refused:
+        stages.check_device_options(recipe, cuda=True)
+    found = f"vllm {installed} is installed" if installed else "vLLM is not installed"
+    assert f'needs vLLM >=0.27,<0.30 (the releases built on this toolkit\'s torch that TRL supports) and {found}: ' \
+           'pip install -e ".[vllm]"' in str(refused.value)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm{stages.VLLM_VERSIONS}"]
 
 
 def test_format_reward_sees_harmony_channels(gptoss_tokenizer):

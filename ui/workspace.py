@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from finetune import run_folder
-from finetune.launcher import process_tree, start_time
+from finetune.launcher import group_alive, process_tree, start_time
 from finetune.resources import accelerate_configs_dir, recipes_dir
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -401,25 +401,6 @@ def check_name(name: str, what: str) -> str:
 
 def _with_ray(command: list[str]) -> bool:
     return any(option == "--engine" and value == "ray" for option, value in zip(command, command[1:]))
-
-
-def group_alive(group: int) -> bool:
-    _reap(group)  # a run this panel started and that has ended would otherwise linger as a zombie, "alive"
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status of a run this panel process started; nothing for others."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def _signal_group(group: int, signum: int) -> None:

@@ -270,11 +270,25 @@ def _text(value: Any, what: str) -> str:
     if isinstance(value, list) and all(isinstance(part, dict) for part in value):  # OpenAI-style content parts
         kinds = {str(part.get("type")) for part in value}
         if kinds <= {"text"}:
-            return "".join(str(part.get("text", "")) for part in value)
+            return "".join(_part_text(part) for part in value)
         media = sorted(kinds - {"text"})
         raise BadRow(f"{what} has {', '.join(media)} parts: only text is trained here (text-only models); "
                      "keep the text parts, or leave such rows out")
     raise BadRow(f"{what} is {_kind(value)}, not text")
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    """A content part's text: OpenAI's parts have `text`, LLaMA-Factory's (v1) `value`."""
+    return str(part.get("text", part.get("value", "")))
+
+
+def _reasoning_parts(content: Any) -> tuple[Any, str | None]:
+    """Content parts less the reasoning ones (`{"type": "reasoning", ...}`, LLaMA-Factory v1), and their text."""
+    if not isinstance(content, list) or not any(isinstance(part, dict) and part.get("type") == "reasoning"
+                                                for part in content):
+        return content, None
+    reasoning = [part for part in content if isinstance(part, dict) and part.get("type") == "reasoning"]
+    return [part for part in content if part not in reasoning], "".join(_part_text(part) for part in reasoning)
 
 
 def _kind(value: Any) -> str:
@@ -297,8 +311,9 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         content = ""
     elif content is None and "content" in message:
         raise BadRow(f"{where} content is null")
+    content, reasoning = _reasoning_parts(content)
     out: dict[str, Any] = {"role": role, "content": _text(content, f"{where} content")}
-    thinking = message.get("thinking", message.get("reasoning_content"))
+    thinking = message.get("thinking", message.get("reasoning_content", reasoning))
     if thinking is not None:
         if role != "assistant":
             raise BadRow(f"{where}: only assistant messages can have thinking")

@@ -35,6 +35,7 @@ SHOWN_BAD_ROWS = 10
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
 PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
 MOST_PROCESSES = 8
+RATE_AFTER_S = 1.0
 PROGRESS_EVERY_S = 5.0
 EVAL_EXAMPLES = "eval_examples.json"  # the first SAMPLE_POOL held-out examples: the prompts of eval.samples
 SAMPLE_POOL = 64
@@ -204,7 +205,8 @@ def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool,
             "Raise train.max_length, shorten them, or set data.too_long=drop to leave them out (the count is "
             "reported)")
     if not len(train_table):
-        raise UserError("data.train: no usable rows" + (f" ({len(bad)} bad rows dropped)" if bad else ""))
+        raise _no_usable_rows(len(train_examples) + len(bad), train_stats["dropped_no_trained_tokens"], len(bad),
+                              max_length, train_stats["length_percentiles"])
 
     report = {
         "stage": recipe.stage,
@@ -228,6 +230,18 @@ def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool,
     for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
         rows_file.unlink()
     return report
+
+
+def _no_usable_rows(rows: int, too_long: int, bad: int, max_length: int, lengths: dict) -> UserError:
+    """What left data.train without a row, and what to change."""
+    reasons = []
+    if too_long:
+        longest = f" (their lengths: p50 {lengths['p50']:,}, max {lengths['max']:,} tokens)" if lengths else ""
+        reasons.append(f"{too_long:,} have nothing to learn within train.max_length {max_length}{longest}: raise "
+                       "train.max_length")
+    if bad:
+        reasons.append(f"{bad:,} are bad rows (run `finetune validate` to see them with their reasons)")
+    return UserError(f"data.train: none of its {rows:,} rows can be trained on: " + "; ".join(reasons or ["it is empty"]))
 
 
 def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -314,6 +328,11 @@ def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str =
 
 def _detect_format(row: dict, columns: dict, where: str, stage: str) -> str:
     preference = stage in ("dpo", "kto")
+    if stage in ("sft", "grpo") and formats.detect_format(row, columns, preference=True) in ("preference", "hh",
+                                                                                            "sharegpt_preference"):
+        raise UserError(f"{where}: this looks like preference data (chosen and rejected answers), which stage "
+                        f"{stage} does not train on; set stage: dpo (or kto) to learn from the pairs, or point "
+                        "data.train at conversations")
     fmt = formats.detect_format(row, columns, preference)
     if fmt is None and stage == "any":
         fmt = formats.detect_format(row, columns, preference=True)
@@ -356,11 +375,11 @@ def _encode(examples, spool: _Spool, encoder: RowEncoder, max_length: int, bad: 
                 continue
             lengths.append(encoder.counts(encoded)[0])
             row, cut = encoder.fit(encoded, max_length)
-            truncated += cut
             if row is None:
                 untrainable += 1  # the whole answer lies past max_length: nothing left to learn from
                 too_long.append(f"{where}: {lengths[-1]:,} tokens")
                 continue
+            truncated += cut  # rows kept, cut short; the dropped ones are counted apart
             _, row_tokens, row_trained = encoder.counts(row)
             tokens += row_tokens
             trained += row_trained
@@ -403,17 +422,18 @@ def _encoded(examples, spool: _Spool, encoder: RowEncoder, processes: int):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
     window = 256 * processes
     # spawned, not forked: a fork of this process (torch's and the tokenizer's threads) can inherit a held lock
+    pool = multiprocessing.get_context("spawn").Pool(processes, _start_worker, (encoder,))
     try:
-        with multiprocessing.get_context("spawn").Pool(processes, _start_worker, (encoder,)) as pool:
-            for start in range(0, len(examples), window):
-                batch = [spool.get(index) for _, index in examples[start:start + window]]
-                yield from pool.imap(_encode_one, batch, chunksize=16)
+        for start in range(0, len(examples), window):
+            batch = [spool.get(index) for _, index in examples[start:start + window]]
+            yield from pool.imap(_encode_one, batch, chunksize=16)
+    except BaseException:
+        pool.terminate()
+        raise
+    else:
+        pool.close()
     finally:
-        # Spawning started multiprocessing's resource tracker; end and reap it now, or it outlives this process
-        # in its process group (a zombie where nothing reaps orphans), and a stopped run would seem to linger.
-        from multiprocessing import resource_tracker
-
-        resource_tracker._resource_tracker._stop()
+        pool.join()
 
 
 class _Progress:
@@ -422,15 +442,20 @@ class _Progress:
     def __init__(self, split: str, total: int):
         self.split, self.total, self.done = split, total, 0
         self.started = self.said = time.monotonic()
+        self.first_row: float | None = None  # when the first row was done: the workers had started
 
     def advance(self) -> None:
         self.done += 1
         now = time.monotonic()
+        if self.first_row is None:
+            self.first_row = now
         if now - self.said >= PROGRESS_EVERY_S:
             self.said = now
-            rate = self.done / (now - self.started)
-            self._say(f"preparing {self.split}: {self.done:,} of {self.total:,} rows, {rate:,.0f} rows/s, "
-                      f"{(self.total - self.done) / rate:,.0f} s left")
+            line = f"preparing {self.split}: {self.done:,} of {self.total:,} rows"
+            if self.done > 1 and now - self.first_row >= RATE_AFTER_S:  # a rate (and so a time left) from rows actually flowing
+                rate = (self.done - 1) / (now - self.first_row)
+                line += f", {rate:,.0f} rows/s, {(self.total - self.done) / rate:,.0f} s left"
+            self._say(line)
 
     def finish(self) -> None:
         seconds = time.monotonic() - self.started
