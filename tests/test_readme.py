@@ -216,17 +216,23 @@ def test_mlflow_commands(tmp_path):
 
 @pytest.mark.integration
 def test_gpu_check_dry_run_command(tmp_path):
-    """On a CPU the GPU check runs at tiny sizes, measures the transformers ways and says why Unsloth is skipped."""
+    """On a CPU the GPU check runs at tiny sizes: packed examples are kept apart, the transformers ways are measured
+    against the plan, and Unsloth's checks say why they are skipped."""
     asset("tokenizers/llama-3.2-instruct")
     command = next(c for c in commands() if "gpu_check.py" in c and "--tiny" in c)
     result = run(command.replace("python ", f"{sys.executable} {REPO}/", 1), tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads((tmp_path / "gpu-check-dry-run" / "results.json").read_text())["runs"]
-    assert runs["llama-3.2-3b unsloth-qlora"] == {"skipped": "Unsloth needs a CUDA GPU"}
+    results = json.loads((tmp_path / "gpu-check-dry-run" / "results.json").read_text())
+    checks = results["checks"]
+    failed = [name for name, check in checks.items() if check["verdict"] == "FAIL"]
+    assert result.returncode == (1 if failed else 0), result.stderr[-3000:]
+    assert checks["packing llama hf"]["verdict"] == "PASS"
+    assert checks["packing llama unsloth"] == {"verdict": "SKIP", "figure": "Unsloth needs a CUDA GPU", "seconds": 0.0}
     for way in ("hf-qlora", "hf-lora"):
-        assert runs[f"llama-3.2-3b {way}"]["tokens_per_second"] > 0
-        assert runs[f"llama-3.2-3b {way}"]["peak_memory_gb"] > 0
-    assert "llama-3.2-3b hf-qlora" in result.stdout and "tokens/s" in result.stdout
+        figures = results["figures"][f"llama {way}"]
+        assert figures["tokens_per_second"] > 0 and figures["peak_gib"] > 0 and figures["planned_gib"] > 0
+        assert checks[f"speed llama {way}"]["verdict"] in ("PASS", "FAIL")  # FAIL: the plan is off by over 15%
+    assert "PASS packing llama hf: second example's logits, packed vs alone" in result.stdout
+    assert "SKIP speed llama unsloth-qlora: Unsloth needs a CUDA GPU" in result.stdout
 
 
 @pytest.mark.integration
