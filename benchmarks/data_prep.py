@@ -44,10 +44,10 @@ def measure_finetune(data: str, processes: int, home: str) -> dict:
     import os
 
     os.environ["FINETUNE_HOME"] = home
-    from finetune.config import load_recipe
     from finetune.data.pipeline import prepare
-    from finetune.model import load_tokenizer
-    from finetune.probe import _reset_resident_peak, _resident_peak
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.schema import load_recipe
+    from finetune.training.probe import _reset_resident_peak, _resident_peak
 
     tokenizer_folder = ASSETS / "tokenizers" / "llama-3.2-instruct"
     recipe_path = Path(home) / "recipe.yaml"
@@ -67,7 +67,7 @@ def measure_trl(data: str, processes: int, scratch: str) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from finetune.probe import _reset_resident_peak, _resident_peak
+    from finetune.training.probe import _reset_resident_peak, _resident_peak
 
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "llama-3.2-instruct")
     tokenizer.pad_token = tokenizer.eos_token

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.chat import Chat
     from finetune.data.render import Renderer
+    from finetune.trained.chat import Chat
 
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder), args.size)

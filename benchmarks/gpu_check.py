@@ -61,7 +61,7 @@ def make_model(name: str, folder: Path, size: str, gpt_oss_layers: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import architectures
+    from finetune.models import architectures
 
     if (folder / "config.json").exists():
         return folder
@@ -108,12 +108,12 @@ def packing_child(recipe: Path, backend: str) -> dict:
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from finetune import backends
-    from finetune.config import load_recipe
     from finetune.data.collate import PackedRowsCollator
     from finetune.errors import UserError
-    from finetune.model import load_model, training_precision
-    from finetune.training_run import runtime_arguments
+    from finetune.models import backends
+    from finetune.models.loading import load_model, training_precision
+    from finetune.recipe.schema import load_recipe
+    from finetune.training.run import runtime_arguments
 
     config = load_recipe(recipe, [f"model.backend={backend}", "train.packing=true"])
     model_type = json.loads((Path(config.model.name_or_path) / "config.json").read_text())["model_type"]
@@ -187,10 +187,10 @@ def speed(recipe: Path, model: str, way: str, run: Path, seq: int, steps: int, w
 def planned_gib(recipe: Path, overrides: list[str]) -> float:
     """What `finetune estimate --probe` compares with the measured peak: the plan's tensors on this GPU (the whole
     process on the CPU), one process."""
-    from finetune import memory_plan
-    from finetune.config import load_recipe
-    from finetune.model import model_config
-    from finetune.train_section import trains_on_cpu
+    from finetune.models.loading import model_config
+    from finetune.recipe import memory_plan
+    from finetune.recipe.schema import load_recipe
+    from finetune.recipe.train_section import trains_on_cpu
 
     config = load_recipe(recipe, overrides)
     device = memory_plan.this_machine(trains_on_cpu(config.train))

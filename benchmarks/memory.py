@@ -84,10 +84,11 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
     """In this process: the plan for this machine, then the probe's two steps."""
     import torch
 
-    from finetune import backends, memory_plan
-    from finetune.config import load_recipe
-    from finetune.model import model_config
-    from finetune.probe import probe
+    from finetune.models import backends
+    from finetune.models.loading import model_config
+    from finetune.recipe import memory_plan
+    from finetune.recipe.schema import load_recipe
+    from finetune.training.probe import probe
 
     backends.import_first(recipe, overrides)
     loaded = load_recipe(recipe, overrides)
@@ -112,7 +113,7 @@ def compare_trl_one(model: str, data: str, length: int) -> dict:
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from finetune.probe import PROBE_STEPS, PeakMemory
+    from finetune.training.probe import PROBE_STEPS, PeakMemory
 
     meter = PeakMemory()
     with tempfile.TemporaryDirectory() as scratch:

@@ -130,7 +130,7 @@ def run_trl(way: str, model: Path, rows: list[dict], steps: int, warmup: int, ou
 
 
 def run_toolkit(way: str, model: Path, rows: list[dict], steps: int, warmup: int, out: Path, *overrides) -> Result:
-    from finetune.training_run import run
+    from finetune.training.run import run
 
     data = out / "gsm8k-messages.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

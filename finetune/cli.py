@@ -9,8 +9,8 @@ import os
 import sys
 
 from finetune.errors import UserError
-from finetune.evaluate import METRICS  # light: its heavy imports are inside its functions
 from finetune.model_commands import chat_command, eval_command, export_command, ui_command
+from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
 OVERRIDES_HELP = ("settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8); "
@@ -211,15 +211,15 @@ def doctor_command(args) -> int:
 
 
 def estimate_command(args) -> int:
-    from finetune import memory_plan
-    from finetune.config import load_recipe
-    from finetune.model import model_config
+    from finetune.models.loading import model_config
+    from finetune.recipe import memory_plan
+    from finetune.recipe.schema import load_recipe
     from finetune.resources import find_accelerate_config
 
     if args.num_gpus is not None and args.num_gpus < 1:
         raise UserError("--num-gpus must be at least 1")
     if args.probe:
-        from finetune import backends
+        from finetune.models import backends
 
         backends.import_first(args.recipe, args.overrides)  # the probe trains: Unsloth, if used, loads first
     recipe = load_recipe(args.recipe, args.overrides)
@@ -240,9 +240,9 @@ def estimate_command(args) -> int:
 
 def _probe(args, recipe, shape) -> None:
     """Two real training steps here, their measured peak beside this machine's plan."""
-    from finetune import memory_plan
-    from finetune.probe import PROBE_STEPS, probe
-    from finetune.train_section import trains_on_cpu
+    from finetune.recipe import memory_plan
+    from finetune.recipe.train_section import trains_on_cpu
+    from finetune.training.probe import PROBE_STEPS, probe
 
     here = memory_plan.this_machine(trains_on_cpu(recipe.train))
     alone = memory_plan.launch_of(None, 1)
@@ -257,7 +257,7 @@ def _probe(args, recipe, shape) -> None:
 
 def validate_command(args) -> int:
     recipe, report = _check(args.recipe, args.overrides, validating=True)
-    from finetune.report import describe_data
+    from finetune.data.report import describe_data
 
     print(f"Recipe (resolved)\n{_indent(recipe.to_yaml())}")
     print(describe_data(report))
@@ -272,15 +272,15 @@ def train_command(args) -> int:
     if args.num_workers != 1 or args.gpus_per_worker is not None or args.address or args.storage:
         raise UserError("--num-workers, --gpus-per-worker, --address and --storage are for --engine ray")
     if not args.accelerate_config:
-        from finetune import backends
+        from finetune.models import backends
 
         backends.import_first(args.recipe, args.overrides)
-        from finetune.training_run import run
+        from finetune.training.run import run
 
         run(args.recipe, args.overrides, resume)
         return 0
-    from finetune import launcher
     from finetune.resources import find_accelerate_config
+    from finetune.training import launcher
 
     config = find_accelerate_config(args.accelerate_config)
     recipe, _ = _check(args.recipe, args.overrides, resume, _launch_settings(config))  # leaves the data cached
@@ -292,7 +292,7 @@ def train_command(args) -> int:
 
 
 def _train_with_ray(args, resume) -> int:
-    from finetune import ray_engine
+    from finetune.training import ray_engine
 
     if args.accelerate_config:
         raise UserError("--engine ray starts its own workers: leave out --accelerate-config")
@@ -320,34 +320,17 @@ def _resume(args) -> bool | str:
 
 def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, launch: dict | None = None,
            validating: bool = False):
-    """Everything `train` checks before loading weights: recipe, backend, launch, output_dir, resume point,
-    tokenizer, data. Returns the recipe and the data report."""
-    from finetune import backends, resuming
-    from finetune.config import load_recipe
-    from finetune.data.pipeline import prepare
-    from finetune.model import load_tokenizer, model_config
-    from finetune.run_folder import check_free, check_writable, read_rows
-    from finetune.train_section import check_device_options
+    """Everything `train` checks before loading weights (training/preflight.py), for the processes `launch` (an
+    accelerate config read as a mapping) starts. Returns the recipe and the data report."""
+    from finetune.recipe.schema import load_recipe
+    from finetune.training import preflight
 
     recipe = load_recipe(recipe_path, overrides)
-    launch = launch or {}
-    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train,
-                                    launch.get("distributed_type", "NO"))
-    print(why, flush=True)
-    check_device_options(recipe.train, cuda=not launch.get("use_cpu", False) and _has_cuda())
-    recipe.batch_split(launch.get("num_processes", 1), 1 if recipe.auto_micro_batch else None)
-    backends.check_launch(backend, launch.get("distributed_type", "NO"))
-    if resume:
-        resuming.plan(recipe, resume, launch.get("num_processes", 1))  # its note comes from the training processes
-    elif validating and read_rows(recipe.output_dir):
-        print(f"note: output_dir {recipe.output_dir} holds a run already; `finetune train` continues it with "
-              "--resume, or needs another output_dir", flush=True)
-    else:
-        check_free(recipe.output_dir)
-    check_writable(recipe.output_dir)
-    tokenizer = load_tokenizer(recipe)
-    backends.check_packing(backend, model_config(recipe).model_type, recipe.train)
-    return recipe, prepare(recipe, tokenizer, tokenizer.chat_template).report
+    checked = preflight.check(recipe, preflight.Launch.of(launch), resume, validating, say=print)
+    if validating:
+        for note in checked.notes:
+            print(f"note: {note}", flush=True)
+    return recipe, checked.data.report
 
 
 def _has_cuda() -> bool:
@@ -360,7 +343,7 @@ def _launch_settings(accelerate_config) -> dict:
     """What the accelerate config says about the processes it starts (num_processes, distributed_type)."""
     if accelerate_config is None:
         return {}
-    from finetune.yaml_files import read_mapping
+    from finetune.recipe.yaml_files import read_mapping
 
     return read_mapping(accelerate_config, "accelerate config", "distributed_type:, num_processes:, ...")
 

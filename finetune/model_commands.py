@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from finetune.errors import UserError
-from finetune.evaluate import DEFAULT_METRICS
+from finetune.trained.evaluate import DEFAULT_METRICS
 
 
 def ui_command(args) -> int:
@@ -22,10 +22,10 @@ def ui_command(args) -> int:
             raise UserError("--auth: write it USER:PASSWORD")
         auth = (user, password)
     try:
-        from ui.app import CSS, build_app
+        from finetune.ui.app import CSS, build_app
     except ImportError as error:
         raise UserError(f"the panel needs its extra ({error.name} is missing): pip install -e \".[ui]\"") from None
-    from ui.workspace import Workspace
+    from finetune.ui.workspace import Workspace
 
     workspace = Workspace(args.workspace)
     workspace.create()
@@ -36,7 +36,7 @@ def ui_command(args) -> int:
 
 
 def chat_command(args) -> int:
-    from finetune.chat import Chat, Piece, Sampling
+    from finetune.trained.chat import Chat, Piece, Sampling
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")
@@ -82,14 +82,14 @@ def chat_command(args) -> int:
 
 
 def export_command(args) -> int:
-    from finetune import saved_model
-    from finetune.export import export
+    from finetune.trained import saved_model
+    from finetune.trained.export import export
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
     run = saved_model.locate(args.path).run
     if args.register:
-        from finetune.tracking import check_store
+        from finetune.training.tracking import check_store
 
         check_store(run or args.out, None, "--register")
     _quiet_loading()
@@ -104,7 +104,7 @@ def export_command(args) -> int:
     if result.url:
         print(f"pushed: {result.url}")
     if args.register:
-        from finetune.tracking import open_command, register
+        from finetune.training.tracking import open_command, register
 
         version, uri = register(result.folder, args.register, run)
         print(f"registered: {args.register} version {version} in {uri} (open it with: {open_command(uri)})")
@@ -114,7 +114,7 @@ def export_command(args) -> int:
 def eval_command(args) -> int:
     from pathlib import Path
 
-    from finetune.evaluate import Settings, evaluate, table
+    from finetune.trained.evaluate import Settings, evaluate, table
 
     if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--max-new-tokens, --batch-size and --limit must be at least 1")

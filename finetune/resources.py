@@ -1,7 +1,7 @@
 """Where the shipped recipes (configs/) and accelerate configs (accelerate_configs/) live.
 
 In a source checkout or an editable install they are the repository's top-level folders; a regular install copies
-them into the package as finetune/recipes and finetune/accelerate_configs (see pyproject.toml).
+them into the package as finetune/shipped_recipes and finetune/accelerate_configs (see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _shipped(installed_name: str, repo_name: str) -> Path:
 
 
 def recipes_dir() -> Path:
-    return _shipped("recipes", "configs")
+    return _shipped("shipped_recipes", "configs")
 
 
 def accelerate_configs_dir() -> Path:

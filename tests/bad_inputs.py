@@ -56,8 +56,9 @@ def _tokenizer_without_template(folder):
 
 
 def _tokenizer_only(folder):
-    from finetune import builtin
     from transformers import AutoTokenizer
+
+    from finetune import builtin
 
     AutoTokenizer.from_pretrained(builtin.resolve_model("builtin:tiny-llama")).save_pretrained(folder / "no-weights")
 
@@ -321,4 +322,10 @@ CASES = [
     data_case("rows too long to keep any answer", chat(("user", "word " * 200), ("assistant", "Hello")) + "\n",
               "1 data row longer than train.max_length (64) before any token that carries loss", "data.jsonl",
               "train.max_length=64", "data.too_long=fail"),
+    # What needs a GPU, refused before any process starts (and by validate, which makes the same checks).
+    Case("vLLM generation on the CPU", "grpo.use_vllm generates with vLLM, which needs a CUDA GPU, and this run trains "
+         "on the CPU", ["stage=grpo", "grpo.rewards=[{function: length, max_tokens: 8}]", "grpo.use_vllm=true"]),
+    Case("vLLM generation on the CPU, launched on two processes", "grpo.use_vllm generates with vLLM, which needs a "
+         "CUDA GPU", ["stage=grpo", "grpo.rewards=[{function: length, max_tokens: 8}]", "grpo.use_vllm=true"],
+         args=["--accelerate-config", "cpu_ddp_2proc"], commands=("train",)),
 ]

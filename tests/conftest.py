@@ -101,7 +101,7 @@ def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
 def tiny_models(tmp_path_factory):
     """Random-init, scaled-down Llama 3.2 and GPT-OSS (24 layers, so layer-indexed settings apply unchanged), saved
     with the real tokenizers as ordinary Hugging Face folders."""
-    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
+    from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
 
     return {"llama": save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tiny_llama_3_2()),
             "gpt-oss": save_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), tiny_gpt_oss(num_hidden_layers=24))}

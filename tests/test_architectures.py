@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.architectures import gpt_oss_20b, llama_3_2_3b, parameter_count
-from finetune.config import load_recipe
-from finetune.model import lora_config
+from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b, parameter_count
+from finetune.models.loading import lora_config
+from finetune.recipe.schema import load_recipe
 from tests.conftest import REPO
 
 

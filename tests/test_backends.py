@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from finetune import backends
+from finetune.models import backends
 from tests.conftest import cli_here, run_cli, write_recipe
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
@@ -97,10 +97,10 @@ def probe_unsloth(tmp_path):
 
 def test_training_process_imports_unsloth_before_transformers(probe_unsloth):
     env, record = probe_unsloth
-    script = ("from finetune import backends\n"
+    script = ("from finetune.models import backends\n"
               "backends.resolve = lambda *settings: ('unsloth', '')  # as on a CUDA machine\n"
               "backends.import_first('quickstart', [])\n"
-              "import finetune.training_run\n")
+              "import finetune.training.run\n")
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     assert json.loads(record.read_text()) == {"transformers": False, "trl": False, "peft": False}
 
@@ -112,7 +112,7 @@ def test_the_training_process_imports_unsloth_where_auto_will_pick_it(launched, 
     recipe = write_recipe(tmp_path, "model: {name_or_path: x}\n")
     script = ("import torch\n"
               "torch.cuda.is_available = lambda: True  # as on a CUDA machine\n"
-              "from finetune import backends\n"
+              "from finetune.models import backends\n"
               f"backends.import_first({str(recipe)!r}, [])\n")
     subprocess.run([sys.executable, "-c", script], env={**env, **launched}, check=True, timeout=300)
     assert record.exists() == imported
@@ -133,8 +133,8 @@ def test_unsloth_gets_every_lora_setting_dora_included(monkeypatch):
     them: the recipe's lora section must reach it whole. (A stand-in records the call; Unsloth needs a GPU.)"""
     import types
 
-    from finetune.config import load_recipe
-    from finetune.model import _load_unsloth
+    from finetune.models.loading import _load_unsloth
+    from finetune.recipe.schema import load_recipe
 
     calls = {}
 
@@ -167,7 +167,7 @@ def test_unsloth_is_refused_under_sharding_launchers():
 def test_qlora_weights_are_stored_for_sharding_under_fsdp_and_zero3():
     """FSDP and ZeRO-3 shard only parameters of one floating-point dtype: 4-bit weights must be stored in the
     dtype of the others (bitsandbytes' default storage, uint8, cannot be sharded)."""
-    from finetune.model import four_bit_config
+    from finetune.models.loading import four_bit_config
 
     assert four_bit_config(torch.bfloat16, sharded=True).bnb_4bit_quant_storage == torch.bfloat16
     assert four_bit_config(torch.bfloat16, sharded=False).bnb_4bit_quant_storage == torch.uint8
@@ -176,8 +176,8 @@ def test_qlora_weights_are_stored_for_sharding_under_fsdp_and_zero3():
 def test_ddp_looks_for_unused_parameters_only_where_a_step_can_leave_some_without_gradient():
     """Unsloth skips GPT-OSS experts that no token reached: DDP must expect their missing gradients. Elsewhere the
     search is off (it costs a pass over the graph each step), and a recipe's own setting wins."""
-    from finetune.config import load_recipe
-    from finetune.training_run import unused_parameter_search
+    from finetune.recipe.schema import load_recipe
+    from finetune.training.run import unused_parameter_search
 
     recipe = load_recipe("quickstart")
     assert unused_parameter_search(recipe, "unsloth", "gpt_oss") == \
@@ -193,9 +193,9 @@ def test_a_run_saved_before_the_search_was_chosen_per_model_resumes(tmp_path):
     """Runs saved with the old fixed default (train.ddp_find_unused_parameters: false) resume under the new choice."""
     import yaml
 
-    from finetune.config import load_recipe
-    from finetune.resuming import check_same_run
+    from finetune.recipe.schema import load_recipe
     from finetune.run_folder import CONFIG_NAME
+    from finetune.training.resuming import check_same_run
 
     recipe = load_recipe("quickstart", [f"output_dir={tmp_path}"])
     saved = yaml.safe_load(recipe.to_yaml())

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import load_recipe
 from finetune.errors import UserError
+from finetune.recipe.schema import load_recipe
 from tests.bad_inputs import CASES, Case
 from tests.conftest import cli_here, run_cli
 
@@ -165,7 +165,7 @@ json_values = st.recursive(
        raw=st.binary(max_size=120), use_raw=st.booleans())
 def test_any_data_file_gives_rows_bad_rows_or_one_message(rows, suffix, raw, use_raw, tmp_path_factory):
     from finetune.data.pipeline import prepare as prepare_data
-    from finetune.model import load_tokenizer
+    from finetune.models.loading import load_tokenizer
 
     folder = tmp_path_factory.mktemp("data")
     path = folder / f"rows{suffix}"

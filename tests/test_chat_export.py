@@ -24,7 +24,7 @@ PROMPT = [{"role": "user", "content": "I am qqq."}]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two-layer random-init Llama 3.2 and GPT-OSS (experts, sinks, sliding window) with their real tokenizers."""
-    from finetune.architectures import tiny_gpt_oss, tiny_llama_3_2
+    from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
 
     return {"llama": save_tiny_model(tmp_path_factory.mktemp("llama"), tiny_llama_3_2()),
             "gpt-oss": save_tiny_model(tmp_path_factory.mktemp("gpt-oss"), tiny_gpt_oss())}
@@ -115,7 +115,7 @@ def logits(model, inputs):
 @pytest.mark.parametrize("architecture, method", [("llama", "lora"), ("llama", "qlora"), ("gpt-oss", "lora"),
                                                   ("gpt-oss", "qlora")])
 def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp_path, architecture, method):
-    from finetune.chat import Chat
+    from finetune.trained.chat import Chat
 
     run = trained(architecture, method)
     out = tmp_path / "export"
@@ -142,7 +142,7 @@ def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_
     """GPT-OSS's merge includes the adapters on the expert weights (target_parameters)."""
     import torch
 
-    from finetune.chat import Chat
+    from finetune.trained.chat import Chat
 
     run = trained(architecture, "lora")
     out = tmp_path / "merged"
@@ -228,7 +228,7 @@ def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(
 
 
 def test_a_local_base_is_named_by_its_hub_origin(tmp_path):
-    from finetune.export import base_origin
+    from finetune.trained.export import base_origin
 
     cached = tmp_path / "hub" / "models--meta-llama--Llama-3.2-3B-Instruct" / "snapshots" / "abc123"
     cached.mkdir(parents=True)
@@ -256,7 +256,7 @@ def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path):
 
 
 def test_chat_stops_at_the_end_token_it_learned(trained):
-    from finetune.chat import Chat, Sampling
+    from finetune.trained.chat import Chat, Sampling
 
     run = trained("llama", "lora")
     reply = Chat(run / "final").reply(PROMPT, Sampling(max_new_tokens=40, temperature=0))
@@ -268,7 +268,7 @@ def test_chat_stops_at_the_end_token_it_learned(trained):
 
 def test_gpt_oss_chat_shows_reasoning_apart_and_stops_at_return(trained):
     """The analysis message ends with <|end|>; generation goes on to the final answer and stops at <|return|>."""
-    from finetune.chat import Chat, Piece, Reply, Sampling
+    from finetune.trained.chat import Chat, Piece, Reply, Sampling
 
     chat = Chat(trained("gpt-oss", "full") / "final")
     items = list(chat.stream(PROMPT, Sampling(max_new_tokens=60, temperature=0)))
@@ -288,9 +288,9 @@ def test_gpt_oss_chat_shows_reasoning_apart_and_stops_at_return(trained):
 def test_chat_renders_conversations_as_training_did(trained, architecture):
     """The prompt chat builds for a multi-turn conversation is, token for token, what training put before the
     assistant turn it trained on."""
-    from finetune.chat import Chat
     from finetune.data.render import IGNORE, Renderer
-    from finetune.model import load_tokenizer
+    from finetune.models.loading import load_tokenizer
+    from finetune.trained.chat import Chat
 
     chat = Chat(trained(architecture, "lora") / "final")
     data = chat.folder.recipe.data
@@ -308,8 +308,8 @@ def test_chat_renders_conversations_as_training_did(trained, architecture):
 
 
 def test_chat_worker_process(trained, tmp_path):
-    from finetune.chat import Chat, ChatWorker, Sampling
     from finetune.errors import UserError
+    from finetune.trained.chat import Chat, ChatWorker, Sampling
 
     final = trained("llama", "lora") / "final"
     greedy_settings = Sampling(max_new_tokens=20, temperature=0)
@@ -323,7 +323,7 @@ def test_chat_worker_process(trained, tmp_path):
 
 def test_bad_paths_get_clear_errors(trained, models, tmp_path, capsys):
     from finetune.errors import UserError
-    from finetune.saved_model import locate
+    from finetune.trained.saved_model import locate
 
     run = trained("llama", "lora")
     code, _, err = cli_here(capsys, "chat", str(tmp_path / "nowhere"), "--prompt", "hi")
@@ -368,8 +368,8 @@ def test_export_refusals_leave_nothing(trained, tmp_path, capsys, monkeypatch):
 
 def test_failed_check_exits_nonzero_and_writes_nothing(trained, tmp_path, monkeypatch):
     """A merged bf16 export differs from the unmerged model by rounding; with no rounding allowed, it must fail."""
-    from finetune import export
     from finetune.errors import CommandFailed
+    from finetune.trained import export
 
     monkeypatch.setitem(export.TOLERANCE, "bfloat16", 0.0)
     with pytest.raises(CommandFailed, match="export check failed") as failure:
@@ -478,7 +478,7 @@ def test_push_without_token_or_offline_keeps_the_local_export(trained, tmp_path)
 def test_panel_chat_models_are_shared_capped_and_unloaded(trained):
     """The panel's chat models: one worker per model for the sessions that use it, at most `limit` loaded (the
     least recently used goes), unloaded when their sessions leave them or when idle."""
-    from ui.chat_models import ChatModels
+    from finetune.ui.chat_models import ChatModels
 
     lora, qlora, gpt_oss = (trained(*kind) / "final" for kind in (("llama", "lora"), ("llama", "qlora"),
                                                                    ("gpt-oss", "lora")))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from finetune.config import load_recipe, recipe_from_dict
 from finetune.errors import UserError
+from finetune.recipe.schema import load_recipe, recipe_from_dict
 from finetune.resources import accelerate_configs_dir, find_recipe, recipes_dir
 from tests.conftest import REPO, write_recipe
 

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from finetune.config import load_recipe
 from finetune.data import pipeline
 from finetune.data.pipeline import prepare
 from finetune.errors import UserError
+from finetune.recipe.schema import load_recipe
 from tests.conftest import asset, write_recipe
 
 
@@ -176,7 +176,7 @@ def test_mixtures_take_each_source_share_deterministically(tmp_path):
     weighted = mixed(f"[{{path: {tmp_path / 'a.jsonl'}, weight: 1}}, {{path: {tmp_path / 'b.jsonl'}, weight: 3}}]")
     assert [s["used"] for s in weighted.report["sources"]] == [8, 22]  # a quarter and three quarters of 30 rows
 
-    from finetune.report import describe_data
+    from finetune.data.report import describe_data
 
     assert f"source {tmp_path / 'a.jsonl'}: 15 rows of its 10 (rows 15)" in describe_data(rows.report)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launcher import children, process_tree
 from finetune.run_folder import checkpoints, is_complete
+from finetune.training.launcher import children, process_tree
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.integration

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from finetune.config import load_recipe
 from finetune.errors import UserError
-from finetune.model import load_model
+from finetune.models.loading import load_model
+from finetune.recipe.schema import load_recipe
 from tests.conftest import REPO
 from tests.test_packing import documents, packed_rows
 
@@ -18,8 +18,8 @@ def test_transformers_gpt_oss_leaks_across_packed_examples_without_our_masks():
     """Why finetune.model.isolate_packed_examples exists: drop it when this starts failing."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.architectures import tiny_gpt_oss
     from finetune.data.collate import PackedRowsCollator
+    from finetune.models.architectures import tiny_gpt_oss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_gpt_oss(vocab_size=256, pad_token_id=0, eos_token_id=1)).eval()

@@ -115,9 +115,9 @@ def test_template_date_is_fixed(llama_tokenizer):
 
 
 def test_chat_template_from_a_file(tmp_path):
-    from finetune.config import load_recipe
     from finetune.errors import UserError
-    from finetune.model import load_tokenizer
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.schema import load_recipe
 
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}"

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from finetune import memory_plan
-from finetune.architectures import gpt_oss_20b, llama_3_2_3b
-from finetune.config import load_recipe
 from finetune.errors import UserError
+from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
+from finetune.recipe import memory_plan
+from finetune.recipe.schema import load_recipe
 from tests.conftest import run_cli, write_recipe
 
 HUB_MODELS = {

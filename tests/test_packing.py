@@ -75,8 +75,8 @@ def test_unsloth_and_flash_attention_take_each_micro_batch_as_one_row(backend, f
 
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from finetune.config import load_recipe
-    from finetune.training_run import runtime_arguments
+    from finetune.recipe.schema import load_recipe
+    from finetune.training.run import runtime_arguments
 
     recipe = load_recipe("quickstart")
     padding_free = runtime_arguments(recipe, types.SimpleNamespace(eval=None), flash, backend, "llama")["padding_free"]
@@ -98,9 +98,9 @@ def test_unsloth_and_flash_attention_take_each_micro_batch_as_one_row(backend, f
 def test_gpt_oss_under_unsloth_is_never_packed():
     """Unsloth's GPT-OSS attention takes no mask while training: packing is refused there (before anything loads),
     and the shipped Unsloth GPT-OSS recipe trains one example a row."""
-    from finetune import backends
-    from finetune.config import load_recipe
     from finetune.errors import UserError
+    from finetune.models import backends
+    from finetune.recipe.schema import load_recipe
 
     with pytest.raises(UserError, match="under Unsloth, GPT-OSS's attention takes no mask while training, so examples "
                                         "packed into one row would attend to each other; set train.packing=false"):
@@ -114,10 +114,9 @@ def test_gpt_oss_under_unsloth_is_never_packed():
 def tiny_model(name: str):
     from transformers import AutoModelForCausalLM
 
-    from finetune.architectures import tiny_gpt_oss
     from finetune.builtin import make_tiny_llama_config, make_tokenizer
-
-    from finetune.model import isolate_packed_examples
+    from finetune.models.architectures import tiny_gpt_oss
+    from finetune.models.loading import isolate_packed_examples
 
     torch.manual_seed(0)
     if name == "gpt-oss":  # sinks, experts, a sliding-window layer narrower than the examples

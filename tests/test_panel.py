@@ -68,14 +68,14 @@ def wait_for(condition, timeout: float = 300, every: float = 1.0):
 
 def chat_workers(panel: Panel) -> list[int]:
     """The panel's chat model processes."""
-    from finetune.launcher import process_tree
+    from finetune.training.launcher import process_tree
 
     return [pid for pid in process_tree(panel.process.pid)
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def group_gone(pid: int) -> bool:
-    from finetune.launcher import group_alive
+    from finetune.training.launcher import group_alive
 
     return not group_alive(pid)
 
@@ -83,10 +83,10 @@ def group_gone(pid: int) -> bool:
 def test_importing_and_building_the_app_has_no_side_effects(tmp_path):
     script = (
         "import sys\n"
-        "import ui\n"
+        "import finetune.ui\n"
         "assert 'gradio' not in sys.modules and 'torch' not in sys.modules\n"
-        "from ui.app import build_app\n"
-        "from ui.workspace import Workspace\n"
+        "from finetune.ui.app import build_app\n"
+        "from finetune.ui.workspace import Workspace\n"
         f"build_app(Workspace({str(tmp_path / 'ws')!r}))\n"
         "heavy = [name for name in ('torch', 'transformers', 'trl', 'peft', 'unsloth') if name in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -104,7 +104,7 @@ def test_exposed_panel_needs_auth(tmp_path, args, refused):
 
 
 def test_workspace_accepts_names_not_paths(tmp_path):
-    from ui.workspace import PanelError, Workspace
+    from finetune.ui.workspace import PanelError, Workspace
 
     workspace = Workspace(tmp_path)
     for call in (lambda: workspace.run_folder("../outside"), lambda: workspace.recipe_path("../../etc/passwd"),
@@ -129,8 +129,8 @@ def test_workspace_accepts_names_not_paths(tmp_path):
 def test_panel_launches_and_resumes_with_ray_and_shows_the_mlflow_run(tmp_path):
     """Ray Train where the extra is installed: the launch command, and a resume launched the same way."""
     pytest.importorskip("ray")
-    from ui.app import _status_card
-    from ui.workspace import Workspace
+    from finetune.ui.app import _status_card
+    from finetune.ui.workspace import Workspace
 
     workspace = Workspace(tmp_path)
     assert "ray:2" in workspace.launchers()
@@ -223,7 +223,7 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
 
 
 def test_stop_forces_a_run_that_ignores_sigterm(tmp_path):
-    from ui.workspace import Workspace
+    from finetune.ui.workspace import Workspace
 
     workspace = Workspace(tmp_path)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
@@ -236,7 +236,7 @@ def test_stop_forces_a_run_that_ignores_sigterm(tmp_path):
 
 
 def test_a_run_started_from_the_command_line_shows_running_and_stops(tmp_path):
-    from ui.workspace import Workspace
+    from finetune.ui.workspace import Workspace
 
     workspace = Workspace(tmp_path)
     workspace.create()
@@ -255,8 +255,9 @@ def test_a_run_started_from_the_command_line_shows_running_and_stops(tmp_path):
 
 def test_stop_never_signals_a_process_group_that_is_no_longer_the_runs(tmp_path):
     """After a restart, a launch record's process id may belong to another program by now."""
-    from finetune.launcher import start_time
-    from ui.workspace import Workspace
+    from finetune.ui.workspace import Workspace
+
+    from finetune.training.launcher import start_time
 
     workspace = Workspace(tmp_path)
     workspace.create()

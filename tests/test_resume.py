@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from finetune.builtin import resolve_dataset
-from finetune.launcher import process_tree
+from finetune.training.launcher import process_tree
 from tests.conftest import cli_here, run_cli
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ def checkpoint(run, step: int, complete: bool = True):
 
 
 def test_importing_the_run_folder_contract_is_light():
-    script = "import sys, finetune.run_folder, ui.workspace\n" \
+    script = "import sys, finetune.run_folder, finetune.ui.workspace\n" \
              "print([m for m in ('torch', 'transformers', 'trl', 'gradio') if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stderr

@@ -311,9 +311,9 @@ def test_vllm_generation_on_a_gpu_names_the_release_that_fits_this_torch(install
     """On a CUDA machine without vLLM, or with a release pinned to another torch: the extra to install, by name."""
     import tomllib
 
-    from finetune import stages
-    from finetune.config import load_recipe
     from finetune.errors import UserError
+    from finetune.recipe import stage_sections
+    from finetune.recipe.schema import load_recipe
 
     if installed:  # an installed package as pip leaves one: its import folder and its dist-info
         (tmp_path / "vllm").mkdir()
@@ -323,18 +323,18 @@ def test_vllm_generation_on_a_gpu_names_the_release_that_fits_this_torch(install
         monkeypatch.syspath_prepend(str(tmp_path))
     recipe = load_recipe("llama-3.2-3b-grpo", ["grpo.use_vllm=true"])
     with pytest.raises(UserError) as refused:
-        stages.check_device_options(recipe, cuda=True)
+        stage_sections.check_device_options(recipe, cuda=True)
     found = f"vllm {installed} is installed" if installed else "vLLM is not installed"
     assert f'needs vLLM >=0.27,<0.30 (the releases built on this toolkit\'s torch that TRL supports) and {found}: ' \
            'pip install -e ".[vllm]"' in str(refused.value)
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["vllm"] == [f"vllm{stages.VLLM_VERSIONS}"]
+    assert extras["vllm"] == [f"vllm{stage_sections.VLLM_VERSIONS}"]
 
 
 def test_format_reward_sees_harmony_channels(gptoss_tokenizer):
     """GPT-OSS answers in channels: a format reward can ask for a final-channel message, which TRL's text (special
     tokens dropped) no longer shows."""
-    from finetune import rewards
+    from finetune.recipe import rewards
 
     checked = rewards.check([{"function": "format", "pattern": r"<\|channel\|>final<\|message\|>\S"},
                              {"function": "answer", "extract": "last-number"}], "recipe")
@@ -349,7 +349,7 @@ def test_format_reward_sees_harmony_channels(gptoss_tokenizer):
 
 
 def test_user_reward_function_is_loaded_and_called(tmp_path):
-    from finetune import rewards
+    from finetune.recipe import rewards
 
     (tmp_path / "mine.py").write_text("def shorter(completions, **_):\n"
                                       "    return [1.0 / (1 + len(c[0]['content'])) for c in completions]\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launcher import group_alive
+from finetune.training.launcher import group_alive
 from tests.conftest import SHORT, run_cli
 
 pytestmark = pytest.mark.integration
@@ -192,7 +192,7 @@ def test_two_runs_in_one_process_keep_their_logs_apart_and_leave_nothing_behind(
     script = f"""
 import gc, logging, signal
 import transformers
-from finetune.training_run import run
+from finetune.training.run import run
 handlers = lambda: {{name: list(logging.getLogger(name).handlers) for name in ("finetune", "transformers", "trl")}}
 before = handlers(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
 for name in ("first", "second"):
@@ -216,7 +216,7 @@ def test_final_gathers_fsdp_sharded_weights_whole_and_a_run_without_them_fails(t
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from finetune.errors import RunFailed
-    from finetune.training_run import check_final_weights, whole_state_dict
+    from finetune.training.run import check_final_weights, whole_state_dict
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     trainer = types.SimpleNamespace(is_fsdp_enabled=True, accelerator=types.SimpleNamespace(

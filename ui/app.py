@@ -13,12 +13,12 @@ import sys
 
 import gradio as gr
 import pandas as pd
+from finetune.ui.chat_models import ChatModels
+from finetune.ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
 
 from finetune import run_folder
-from finetune.evaluate import DEFAULT_METRICS, METRICS, shown_value
-from finetune.tracking import recorded
-from ui.chat_models import ChatModels
-from ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
+from finetune.trained.evaluate import DEFAULT_METRICS, METRICS, shown_value
+from finetune.training.tracking import recorded
 
 ONE_PROCESS = "one process (finetune train)"
 THIS_CPU = "this machine's CPU"
@@ -299,8 +299,8 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
 
         def send(text, run, checkpoint, system_prompt, temp, max_tokens, both, tuned_history, base_history,
                  request: gr.Request):
-            from finetune.chat import Piece, Sampling
             from finetune.errors import UserError
+            from finetune.trained.chat import Piece, Sampling
 
             if not text.strip():
                 yield tuned_history, base_history, "", ""

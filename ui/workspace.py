@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import signal
 import subprocess
@@ -32,8 +31,8 @@ from pathlib import Path
 import yaml
 
 from finetune import run_folder
-from finetune.launcher import group_alive, process_tree, start_time
 from finetune.resources import accelerate_configs_dir, recipes_dir
+from finetune.training.launcher import group_alive, process_tree, send, send_group, start_time
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FIELDS = {  # the recipe keys the Train tab edits, by label
@@ -273,11 +272,11 @@ class Workspace:
         # at its main process (which tells the others). A Ray launch, at its driver alone: Ray's own processes
         # share its group and would end at once.
         if group is not None and _with_ray(launch.get("command", [])):
-            _signal(group, signal.SIGTERM)  # the group's leader
+            send(group, signal.SIGTERM)  # the group's leader
         elif group is not None:
-            _signal_group(group, signal.SIGTERM)
+            send_group(group, signal.SIGTERM)
         else:
-            _signal(holder["pid"], signal.SIGTERM)
+            send(holder["pid"], signal.SIGTERM)
         alive = (lambda: group_alive(group)) if group is not None else \
             (lambda: run_folder.running(self.run_folder(name)) is not None)
         deadline = time.monotonic() + grace_s
@@ -287,9 +286,9 @@ class Workspace:
             return "stopped"
         leader = group if group is not None else holder["pid"]
         for pid in [*process_tree(leader), leader]:  # training processes may sit in sessions of their own
-            _signal(pid, signal.SIGKILL)
+            send(pid, signal.SIGKILL)
         if group is not None:
-            _signal_group(group, signal.SIGKILL)
+            send_group(group, signal.SIGKILL)
         while alive():
             time.sleep(0.2)
         return "killed"
@@ -401,17 +400,3 @@ def check_name(name: str, what: str) -> str:
 
 def _with_ray(command: list[str]) -> bool:
     return any(option == "--engine" and value == "ray" for option, value in zip(command, command[1:]))
-
-
-def _signal_group(group: int, signum: int) -> None:
-    try:
-        os.killpg(group, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass

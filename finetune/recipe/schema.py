@@ -1,6 +1,6 @@
 """The recipe: one typed configuration tree loaded from YAML, with `key.sub=value` overrides.
 
-    stage:    sft | dpo | kto | grpo: which of TRL's trainers (stages.py); sft by default
+    stage:    sft | dpo | kto | grpo: which of TRL's trainers (stage_sections.py); sft by default
     model:    what to load (ModelSection)
     method:   lora | qlora | full
     lora:     the adapter (LoraSection), for lora and qlora
@@ -30,11 +30,12 @@ from typing import Any, Literal
 
 import yaml
 
-from finetune import stages, tracking, train_section
+from finetune import mlflow_store
 from finetune.errors import UserError
+from finetune.recipe import stage_sections, train_section
+from finetune.recipe.typecheck import coerce
+from finetune.recipe.yaml_files import read_mapping
 from finetune.resources import find_recipe
-from finetune.typecheck import coerce
-from finetune.yaml_files import read_mapping
 
 Method = Literal["lora", "qlora", "full"]
 
@@ -183,7 +184,7 @@ class Recipe:
         resolved = dataclasses.asdict(self)
         if self.method == "full" or self.model.adapter:
             del resolved["lora"]  # no new adapter: its settings would only mislead
-        for stage in stages.STAGES[1:]:
+        for stage in stage_sections.STAGES[1:]:
             if stage != self.stage:
                 del resolved[stage]
         return resolved
@@ -199,13 +200,13 @@ class Recipe:
         """train.KEY as the run uses it: the recipe's value, else the stage config's default."""
         if key in self.train:
             return self.train[key]
-        return next(f.default for f in dataclasses.fields(stages.config_class(self.stage)) if f.name == key)
+        return next(f.default for f in dataclasses.fields(stage_sections.config_class(self.stage)) if f.name == key)
 
     def trainer_config(self, **runtime: Any):
         """The config the stage's trainer gets (SFTConfig, DPOConfig, ...): train.* and the stage's section, plus
         what the toolkit decides at run time (e.g. use_cpu, and the micro-batch and accumulation steps from
         `batch_split`)."""
-        return stages.trainer_config(self, train_section.sft_values(self.train), runtime)
+        return stage_sections.trainer_config(self, train_section.sft_values(self.train), runtime)
 
     @property
     def auto_micro_batch(self) -> bool:
@@ -284,8 +285,8 @@ def _takes_text(dotted: str) -> bool:
         annotation = _hints(SECTIONS[section]).get(leaf)
     elif section == "train":
         annotation = train_section.sft_fields().get(leaf)
-    elif section in stages.STAGES[1:]:
-        annotation = stages.section_fields(section).get(leaf)
+    elif section in stage_sections.STAGES[1:]:
+        annotation = stage_sections.section_fields(section).get(leaf)
     else:
         return False
     return annotation is str or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
@@ -323,7 +324,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
             if not isinstance(section, dict):
                 raise UserError(f"{origin(f.name)}: {f.name} is a section of keys, not {section!r}")
             values[f.name] = _build_section(section, SECTIONS[f.name], f.name, origin)
-        elif f.name in ("train", *stages.STAGES[1:]):
+        elif f.name in ("train", *stage_sections.STAGES[1:]):
             values[f.name] = raw[f.name] if raw[f.name] is not None else {}
             if not isinstance(values[f.name], dict):
                 raise UserError(f"{origin(f.name)}: {f.name} is a section of keys, not {values[f.name]!r}")
@@ -334,16 +335,16 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
     _check_required(recipe, where)
     _check_contradictions(recipe, raw, origin)
     has_eval = bool(recipe.data.eval or recipe.data.eval_fraction)
-    for stage in stages.STAGES[1:]:
+    for stage in stage_sections.STAGES[1:]:
         if getattr(recipe, stage) and stage != recipe.stage:
             raise UserError(f"{origin(stage)}: {stage} settings are given but the stage is {recipe.stage}; set "
                             f"stage: {stage}, or remove the {stage} section")
     if recipe.stage != "sft":
-        setattr(recipe, recipe.stage, stages.resolve_section(recipe.stage, recipe.stage_section, origin, _suggest))
+        setattr(recipe, recipe.stage, stage_sections.resolve_section(recipe.stage, recipe.stage_section, origin, _suggest))
     recipe.train = train_section.resolve(recipe.train, recipe.method, has_eval, recipe.output_dir, origin, _suggest,
                                          for_training, recipe.stage, recipe.stage_section)
-    if for_training and tracking.reports_to_mlflow(recipe.train):
-        tracking.check_store(recipe.output_dir, recipe.mlflow.tracking_uri, origin("train.report_to"))
+    if for_training and mlflow_store.reports_to_mlflow(recipe.train):
+        mlflow_store.check_store(recipe.output_dir, recipe.mlflow.tracking_uri, origin("train.report_to"))
     return recipe
 
 
@@ -364,8 +365,8 @@ def _reject_unknown(section: dict, cls: type, prefix: str, origin) -> None:
 def _reject_all_unknown(raw: dict, origin) -> None:
     """Several keys that no section knows are reported together (one alone gets its section's own message)."""
     keys = _all_keys()
-    given = [str(key) for key in raw if key not in SECTIONS and key != "train" and key not in stages.STAGES[1:]]
-    for section in (*SECTIONS, "train", *stages.STAGES[1:]):
+    given = [str(key) for key in raw if key not in SECTIONS and key != "train" and key not in stage_sections.STAGES[1:]]
+    for section in (*SECTIONS, "train", *stage_sections.STAGES[1:]):
         if isinstance(raw.get(section), dict):
             given += [f"{section}.{key}" for key in raw[section]]
     unknown = [key for key in given if key not in keys and key.removeprefix("train.") not in train_section.NOT_USED]
@@ -380,7 +381,7 @@ def _all_keys() -> tuple[str, ...]:
     for name, cls in SECTIONS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
     keys += [f"train.{name}" for name in [*train_section.sft_fields(), train_section.GLOBAL_BATCH]]
-    return tuple(keys + stages.section_keys())
+    return tuple(keys + stage_sections.section_keys())
 
 
 def _suggest(dotted: str) -> str:
@@ -438,7 +439,7 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
                         + ("set method lora (or qlora)" if key == "method" else "remove the lora section"))
     from finetune.data.formats import PREFERENCE_FORMATS
 
-    preference = recipe.stage in stages.PREFERENCE_STAGES
+    preference = recipe.stage in stage_sections.PREFERENCE_STAGES
     if recipe.data.format != "auto" and (recipe.data.format in PREFERENCE_FORMATS) != preference:
         raise UserError(f"{origin('data.format')}: data.format {recipe.data.format} is not data for stage "
                         f"{recipe.stage}; " + (f"stage {recipe.stage} takes {', '.join(PREFERENCE_FORMATS)}"

@@ -19,20 +19,20 @@ import torch
 import transformers
 from accelerate import PartialState
 
-from finetune import backends, faults, memory_plan, resuming, rewards, stages
-from finetune.config import load_recipe
 from finetune.data.collate import PackedRowsCollator
-from finetune.data.pipeline import prepare
+from finetune.data.report import describe_data
 from finetune.errors import RunFailed, UserError
-from finetune.model import load_model, load_reference_model, load_tokenizer, model_config, training_precision
-from finetune.report import describe_data
-from finetune.resuming import ResumePoint
-from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, check_free, check_writable
-from finetune import stage_trainers
-from finetune.sft_trainer import ProgressCallback, SamplesCallback
-from finetune.signals import StopRequest
-from finetune.tracking import MlflowTracking
-from finetune.train_section import check_device_options, trains_on_cpu
+from finetune.models import backends
+from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
+from finetune.recipe import memory_plan, rewards
+from finetune.recipe.schema import load_recipe
+from finetune.recipe.train_section import trains_on_cpu
+from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder
+from finetune.training import faults, preflight, trainers
+from finetune.training.callbacks import ProgressCallback, SamplesCallback
+from finetune.training.resuming import ResumePoint
+from finetune.training.signals import StopRequest
+from finetune.training.tracking import MlflowTracking
 
 logger = logging.getLogger("finetune")
 # What a checkpoint holds besides the model that final/ holds: the Trainer's state and ours.
@@ -63,36 +63,22 @@ def run(recipe_path: str, overrides: list[str], resume: bool | str = False, call
 
 
 def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
-    point, notes = None, []
-    if resume:
-        point, notes = resuming.plan(recipe, resume, state.num_processes)
-    else:
-        check_free(recipe.output_dir)
-    check_writable(recipe.output_dir)
-    state.wait_for_everyone()  # every process checked before the main one writes
-
-    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train, state.distributed_type.value)
-    backends.check_launch(backend, state.distributed_type.value)
-    check_device_options(recipe.train, cuda=torch.cuda.is_available())
-    stages.check_device_options(recipe, cuda=torch.cuda.is_available() and not trains_on_cpu(recipe.train))
+    launch = preflight.Launch(state.num_processes, state.distributed_type.value)
+    checked = preflight.check(recipe, launch, resume, one_at_a_time=state.local_main_process_first)
+    backend, model_type, data, tokenizer = checked.backend, checked.model_type, checked.data, checked.tokenizer
     micro, accumulation = _batch_split(recipe, state)
     precision = training_precision(recipe.train)
-    # On each machine its main process builds builtins and prepares the data first; the others then read them.
-    with state.local_main_process_first():
-        tokenizer = load_tokenizer(recipe)
-        model_type = model_config(recipe).model_type  # a model that cannot load is found before the data is prepared
-        backends.check_packing(backend, model_type, recipe.train)
-        data = prepare(recipe, tokenizer, tokenizer.chat_template)
     search, search_why = unused_parameter_search(recipe, backend, model_type)
     if state.is_main_process:
         data_parallel = state.num_processes > 1 and state.distributed_type.value not in backends.SHARDING
-        print(why, *([search_why] if data_parallel else []), describe_data(data.report), sep="\n", flush=True)
+        print(checked.why, *([search_why] if data_parallel else []), describe_data(data.report), sep="\n", flush=True)
     flash = "flash" in (recipe.model.attn_implementation or "")
     args = recipe.trainer_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
                                  ddp_find_unused_parameters=search, per_device_train_batch_size=micro,
                                  gradient_accumulation_steps=accumulation)
     packed_as_rows = recipe.train.get("packing", False) and not flattens_packed_rows(recipe, flash, backend)
     rows_collator = PackedRowsCollator(tokenizer.pad_token_id) if packed_as_rows else None
+    point, notes = checked.resume, checked.notes
     if point:
         args.eval_on_start = False  # the run evaluated at its start already
     tracked = "mlflow" in args.report_to
@@ -134,7 +120,7 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, models, peft_c
     model, reference = models
     renderer = _renderer(recipe, tokenizer)
     try:
-        trainer = stage_trainers.build(
+        trainer = trainers.build(
             recipe.stage,
             renderer=renderer,
             reward_functions=rewards.build(recipe.grpo["rewards"], tokenizer) if recipe.stage == "grpo" else None,
@@ -216,7 +202,7 @@ def _renderer(recipe, tokenizer):
 def _samples_callback(recipe, data, renderer, progress: ProgressCallback, board) -> SamplesCallback | None:
     """eval.samples: answers to the first held-out prompts at each evaluation, in progress.jsonl (and so in MLflow)
     and as TensorBoard text; None without such prompts."""
-    from finetune.evaluate import held_out, samples_markdown
+    from finetune.trained.evaluate import held_out, samples_markdown
 
     def record(row: dict) -> None:
         progress.write(row)
@@ -237,11 +223,12 @@ def _log_to_tensorboard(trainer, run_folder: RunFolder, point: ResumePoint | Non
 
     board = next((callback for callback in trainer.callback_handler.callbacks
                   if isinstance(callback, TensorBoardCallback)), None)
-    if board is None or board._SummaryWriter is None or not trainer.is_world_process_zero():
+    if board is None or not trainer.is_world_process_zero():
         return None
+    from torch.utils.tensorboard import SummaryWriter  # there: the callback above exists only with tensorboard
+
     trainer.remove_callback(board)
-    writer = board._SummaryWriter(log_dir=str(run_folder.path / "tensorboard"),
-                                  purge_step=point.step + 1 if point else None)
+    writer = SummaryWriter(log_dir=str(run_folder.path / "tensorboard"), purge_step=point.step + 1 if point else None)
     trainer.add_callback(TensorBoardCallback(tb_writer=writer))
     return writer
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import Recipe, recipe_from_dict
 from finetune.errors import UserError
+from finetune.recipe.schema import Recipe, recipe_from_dict
 from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME, checkpoint_step, is_complete, latest_checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -94,7 +94,7 @@ def load_original(folder: SavedModel, base_model: str | None = None):
 
 def load_base(folder: SavedModel, base_model: str | None = None, dtype: str | None = None):
     """An adapter's base model loaded as in training (or unquantized in `dtype`); for a full model, the model."""
-    from finetune.model import load_hf_model, training_precision
+    from finetune.models.loading import load_hf_model, training_precision
 
     recipe = folder.recipe
     if folder.is_adapter:

@@ -87,11 +87,9 @@ def this_machine(cpu: bool) -> Device:
 
 
 def _total_ram() -> int:
-    with open("/proc/meminfo", encoding="ascii") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise UserError("cannot read this machine's memory size from /proc/meminfo")
+    import psutil
+
+    return psutil.virtual_memory().total
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ def _adapter(model, recipe) -> tuple[tuple[int, ...], int]:
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
 
-    from finetune.model import lora_config
+    from finetune.models.loading import lora_config
 
     peft_model = get_peft_model(model, lora_config(recipe))
     first = peft_model.get_base_model().get_decoder().layers[0]
@@ -240,7 +238,7 @@ def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
     whole accumulation steps."""
     if not recipe.auto_micro_batch:
         return recipe.train_setting("per_device_train_batch_size")
-    from finetune.train_section import GLOBAL_BATCH
+    from finetune.recipe.train_section import GLOBAL_BATCH
 
     single = plan(recipe, shape, device, launch, 1)
     per_process = recipe.train[GLOBAL_BATCH] // launch.processes

@@ -11,7 +11,8 @@
   run, and the panel and `finetune export --register` find it. MLflow cannot delete metric values: the steps an
   interrupted run logged after its last checkpoint stay in the history beside the resumed run's.
 
-Nothing else in the trainer knows MLflow exists; only this module imports it.
+Nothing else in the trainer knows MLflow exists; only this module imports it (mlflow_store.py says where the store
+is, without importing MLflow).
 """
 
 from __future__ import annotations
@@ -24,54 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune.resuming import flat_recipe
+from finetune.mlflow_store import ARTIFACTS_NAME, open_command, recorded, tracking_uri
 from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME, RunFolder, read_rows
+from finetune.training.resuming import flat_recipe
 
-DATABASE_NAME = "mlflow.db"
-ARTIFACTS_NAME = "mlartifacts"
 STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 NOT_METRICS = ("step", "total_steps")
-
-
-def workspace_of(run: str | Path) -> Path:
-    """The folder that holds `runs/` (a panel's workspace, or where `finetune train` ran); a run folder outside
-    a `runs/` folder counts its own parent folder as the workspace."""
-    run = Path(run).absolute()
-    return run.parent.parent if run.parent.name == "runs" else run.parent
-
-
-def tracking_uri(run: str | Path, configured: str | None = None) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or configured or \
-        f"sqlite:///{workspace_of(run) / DATABASE_NAME}"
-
-
-def open_command(uri: str) -> str:
-    """How to look at the store: `mlflow ui` for a database or folder, the address for a server."""
-    return uri if uri.startswith(("http://", "https://")) else f"mlflow ui --backend-store-uri {uri}"
-
-
-def reports_to_mlflow(train: dict[str, Any]) -> bool:
-    report_to = train.get("report_to")
-    return "mlflow" in ([report_to] if isinstance(report_to, str) else list(report_to or []))
-
-
-def check_store(run: str | Path, configured: str | None, where: str) -> None:
-    """The embedded SQLite store needs SQLAlchemy and Alembic (the mlflow extra): said before anything loads."""
-    import importlib.util
-
-    from finetune.errors import UserError
-
-    uri = tracking_uri(run, configured)
-    missing = [name for name in ("mlflow", "sqlalchemy", "alembic") if importlib.util.find_spec(name) is None]
-    if uri.startswith("sqlite:") and missing:
-        raise UserError(f"{where}: train.report_to mlflow logs to {uri}, which needs {', '.join(missing)}: "
-                        "pip install -e \".[mlflow]\" (or set MLFLOW_TRACKING_URI to a tracking server)")
-
-
-def recorded(rows: list[dict]) -> dict[str, Any] | None:
-    """The MLflow run a run folder logs to ({run_id, experiment_id, tracking_uri, open}), if any: the latest, should
-    a resumed run have moved to another store."""
-    return next((row["mlflow"] for row in reversed(rows) if "mlflow" in row), None)
 
 
 class MlflowTracking:
@@ -148,7 +107,7 @@ class MlflowTracking:
             self.client.log_batch(self.run_id, params=params[start:start + 100], synchronous=True)
 
     def _log_model(self, final: Path) -> None:
-        from finetune import export, saved_model
+        from finetune.trained import export, saved_model
 
         with tempfile.TemporaryDirectory() as folder:
             model = Path(folder) / "model"

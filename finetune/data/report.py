@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from finetune.data.pipeline import MARK_CLOSE, MARK_OPEN
 
-
 UNITS = {"sft": "rows", "dpo": "pairs", "kto": "labelled answers", "grpo": "prompts"}
 
 

@@ -21,21 +21,18 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from finetune.answers import check_extraction, extract_answer
 from finetune.errors import UserError
 
 BASE_PREFIX = "base:"
 METRICS = ("exact_match", "contains", "rouge_l", "bleu")
 DEFAULT_METRICS = ("exact_match", "contains")
 ALWAYS = ("loss", "perplexity", "stop_rate", "mean_length")
-EXTRACTIONS = ("none", "gsm8k", "last-number", "regex:PATTERN")
 LOSS_CHUNK = 256  # tokens whose full-vocabulary logits are held at once
 EVAL_FOLDER = "eval"  # in a run folder: one results file and one answers file per (model, data)
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
 @dataclass
@@ -70,8 +67,8 @@ class Result:
 
 # Targets and data.
 def resolve_target(spec: str) -> Target:
-    from finetune import saved_model
     from finetune.run_folder import FINAL_NAME, checkpoint_step
+    from finetune.trained import saved_model
 
     base = spec.startswith(BASE_PREFIX)
     saved = saved_model.locate(spec.removeprefix(BASE_PREFIX))
@@ -147,44 +144,7 @@ def prompt_ids(example: Example, renderer) -> list[int]:
     return renderer.prompt_ids(example.prompt["messages"], example.prompt["tools"])
 
 
-# Answer extraction and metrics.
-def check_extraction(extract: str) -> None:
-    if extract in ("none", "gsm8k", "last-number"):
-        return
-    if not extract.startswith("regex:"):
-        raise UserError(f"--extract {extract}: choose one of {', '.join(EXTRACTIONS)}")
-    try:
-        re.compile(extract.removeprefix("regex:"))
-    except re.error as error:
-        raise UserError(f"--extract {extract}: not a valid regular expression ({error})") from None
-
-
-def extract_answer(text: str, extract: str) -> str | None:
-    """The part of `text` that is compared: the whole text stripped (none), the number after `####` (gsm8k), the
-    last number (last-number), or a regex's first group (or whole match); None when there is none. Numbers are
-    compared by value: 1,000 and 1000.0 are both 1000."""
-    if extract == "none":
-        return text.strip()
-    if extract == "gsm8k":
-        found = GSM8K_ANSWER.search(text)
-        return _number(found.group(1)) if found else None
-    if extract == "last-number":
-        numbers = NUMBER.findall(text)
-        return _number(numbers[-1]) if numbers else None
-    found = re.search(extract.removeprefix("regex:"), text, re.S)
-    if not found:
-        return None
-    return (found.group(1) if found.groups() else found.group(0)).strip()
-
-
-def _number(text: str) -> str:
-    try:
-        value = Decimal(text.replace(",", "").rstrip("."))
-    except InvalidOperation:
-        return text
-    return format(value.normalize(), "f") if value == value.to_integral_value() else str(value.normalize())
-
-
+# Metrics.
 def check_metrics(names: list[str]) -> None:
     unknown = [name for name in names if name not in METRICS]
     if unknown:
@@ -314,7 +274,7 @@ def mean_loss(model, renderer, examples: list[Example], max_length: int, batch_s
 
 
 # lm-evaluation-harness.
-SHIPPED_TASKS = Path(__file__).parent / "eval_tasks"
+SHIPPED_TASKS = Path(__file__).parents[1] / "eval_tasks"
 
 
 def run_tasks(chat, tasks: list[str], include: list[str], batch_size: int, limit: int | None) -> dict[str, float]:
@@ -387,7 +347,7 @@ def evaluate(specs: list[str], settings: Settings, out: Path | None = None, say=
 
 
 def evaluate_one(target: Target, examples: list[Example], settings: Settings) -> Result:
-    from finetune.chat import Chat
+    from finetune.trained.chat import Chat
 
     chat = Chat(target.saved.path, base=target.base)
     recipe = target.saved.recipe

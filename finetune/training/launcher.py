@@ -33,12 +33,12 @@ def supervise(command: list[str], run: str | Path) -> int:
         if stop["asked"] and signum == signal.SIGINT:
             stop["at_once"] = True
             for pid in [process.pid, *process_tree(process.pid)]:
-                _send(pid, signal.SIGKILL)
+                send(pid, signal.SIGKILL)
         elif not stop["asked"]:
             stop["asked"] = True
             print("stopping at the end of this step, with a checkpoint (Ctrl-C again stops at once)", flush=True)
             for pid in children(process.pid) or [process.pid]:  # none yet: nothing to save, the launcher goes
-                _send(pid, signal.SIGTERM)
+                send(pid, signal.SIGTERM)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -66,28 +66,31 @@ def _stop_when_parent_dies(parent: int):
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
-    return [child for child, parent in _parents().items() if parent == pid]
+    return _descendants(pid, recursive=False)
 
 
 def process_tree(pid: int) -> list[int]:
     """Every process descended from `pid` (children, their children, ...), whatever session or group they are in."""
-    parents = _parents()
-    tree, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        found = [child for child, parent in parents.items() if parent == current]
-        tree += found
-        frontier += found
-    return tree
+    return _descendants(pid, recursive=True)
 
 
-def start_time(pid: int) -> int | None:
-    """When the process started (clock ticks since boot; Linux), to tell it from a later process with its id."""
+def _descendants(pid: int, recursive: bool) -> list[int]:
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return [child.pid for child in psutil.Process(pid).children(recursive=recursive)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def start_time(pid: int) -> float | None:
+    """When the process started, to tell it from a later process with its id."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
         return None
-    return int(fields[19])
 
 
 def group_alive(group: int) -> bool:
@@ -109,19 +112,17 @@ def group_alive(group: int) -> bool:
     return False
 
 
-def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # it ended while we looked
-    return parents
-
-
-def _send(pid: int, signum: int) -> None:
+def send(pid: int, signum: int) -> None:
+    """Signal a process that may have ended meanwhile."""
     try:
         os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def send_group(group: int, signum: int) -> None:
+    """Signal a process group that may have ended meanwhile."""
+    try:
+        os.killpg(group, signum)
     except ProcessLookupError:
         pass

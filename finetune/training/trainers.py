@@ -1,5 +1,5 @@
-"""TRL's trainers, bound to a run folder: `RunFolderTrainer` goes before any of them (SFTTrainer here, the other
-stages' in stage_trainers.py).
+"""TRL's trainers of every stage, bound to a run folder: `RunFolderTrainer` goes before each of them (SFTTrainer,
+DPOTrainer, KTOTrainer, GRPOTrainer), and `build` picks the stage's.
 
 - Counts the real (non-padding) tokens and the tokens that carry loss, summed over every process, and carries the
   counts across a resume.
@@ -9,6 +9,11 @@ stages' in stage_trainers.py).
   Old checkpoints are rotated out only after that (save_total_limit), so the newest complete one always stays.
 - A non-finite loss or gradient norm, a stop request, a checkpoint that cannot be written and running out of GPU
   memory end the run the same way on every process, with a message that says at which step and what to do.
+
+The preference and reward stages' data comes prepared by the pipeline (data/stage_rows.py), already tokenized with
+exact masks: DPO and KTO take it as is instead of tokenizing again. With an adapter (LoRA, QLoRA) TRL's reference
+model is the same model with the adapter switched off (or, for an adapter trained before, a frozen copy of that
+adapter): never a second copy of the weights.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import contextlib
 import logging
 import math
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +29,13 @@ from typing import Any
 import torch
 import transformers.trainer
 from transformers import TrainerCallback
-from trl import SFTTrainer
+from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 
-from finetune import faults
 from finetune.data.render import IGNORE
 from finetune.data.sampler import SimilarLengthSampler
 from finetune.errors import RunFailed
-from finetune.run_folder import EVAL_KEYS, RunFolder, is_stage_metric, latest_checkpoint
+from finetune.run_folder import RunFolder, latest_checkpoint
+from finetune.training import faults
 
 logger = logging.getLogger("finetune")
 
@@ -275,76 +279,49 @@ class StepsOfThisRecipe(TrainerCallback):
         state.compute_steps(args, state.max_steps)
 
 
-class ProgressCallback(TrainerCallback):
-    """Writes a progress.jsonl row at every logging step and every evaluation (main process only), and hands each
-    row to `also` (the MLflow tracking), if given."""
+class _SavedWithoutReference:
+    """TRL keeps the reference of an adapter trained before as a frozen copy named "ref", which PEFT would save beside
+    the trained one: the model and its checkpoints keep the trained adapter only (a resumed run copies the reference
+    again from model.adapter)."""
 
-    def __init__(self, trainer_elapsed, run_folder: RunFolder, tokens: int = 0, also=None):
-        self.elapsed, self.run_folder, self.also = trainer_elapsed, run_folder, also
-        self.last_time, self.last_tokens = time.monotonic(), tokens
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        now = time.monotonic()
-        row: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
-        if "loss" in logs:
-            tokens = int(logs.get("num_tokens", 0))
-            row.update(
-                loss=logs["loss"],
-                learning_rate=logs.get("learning_rate"),
-                grad_norm=logs.get("grad_norm"),
-                tokens_per_second=round((tokens - self.last_tokens) / max(now - self.last_time, 1e-9), 1),
-                tokens=tokens,
-                trained_tokens=int(logs.get("trained_tokens", 0)),
-                total_steps=state.max_steps,
-            )
-            self.last_time, self.last_tokens = now, tokens
-        row.update({key: logs[key] for key in EVAL_KEYS if key in logs})
-        row.update({key: logs[key] for key in logs if is_stage_metric(key)})
-        if len(row) == 2:
-            return  # the end-of-training summary: the status line says it
-        row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
-        self.write(row)
-        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
-
-    def write(self, row: dict[str, Any]) -> None:
-        self.run_folder.append(row)
-        if self.also is not None:
-            self.also(row)
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        shutil.rmtree(Path(output_dir or self.args.output_dir) / "ref", ignore_errors=True)
 
 
-def peak_memory_gb() -> float:
-    """Peak accelerator memory of this process where there is one, else its peak resident memory."""
-    import resource
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kilobytes / (2**20 if sys.platform != "darwin" else 2**30)
+class DpoRunTrainer(_SavedWithoutReference, RunFolderTrainer, DPOTrainer):
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset  # prompt_ids, chosen_ids, rejected_ids
 
 
-class SamplesCallback(TrainerCallback):
-    """At every evaluation, greedy answers to the first held-out prompts (eval.samples), recorded as a progress row
-    {"step", "samples": [{prompt, answer, reference, stopped}], "samples_stop_rate"}. Every process generates (a
-    sharded model needs all of them to); the main one records."""
+class KtoRunTrainer(_SavedWithoutReference, RunFolderTrainer, KTOTrainer):
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if not self.calculate_KL:
+            return dataset
 
-    def __init__(self, examples: list, tokenizer, renderer, max_new_tokens: int, record):
-        self.examples, self.tokenizer, self.renderer = examples, tokenizer, renderer
-        self.max_new_tokens, self.record = max_new_tokens, record
+        def mismatched(batch):
+            # KTO's KL term: each prompt with another row's answer, as TRL pairs them (the batch shifted by one)
+            batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
+            return batch
 
-    def on_evaluate(self, args, state, control, model=None, **kwargs):
-        from finetune.chat import Chat
-        from finetune.evaluate import answer_rows
+        return dataset.map(mismatched, batched=True, batch_size=args.per_device_train_batch_size)
 
-        training = model.training
-        model.eval()
-        try:
-            rows = answer_rows(Chat.of(model, self.tokenizer, self.renderer), self.examples, self.max_new_tokens,
-                               batch_size=len(self.examples), synced=args.world_size > 1)
-        finally:
-            model.train(training)
-        if state.is_world_process_zero:
-            samples = [{key: row[key] for key in ("prompt", "answer", "reference", "stopped")} for row in rows]
-            self.record({"step": state.global_step, "samples": samples,
-                         "samples_stop_rate": sum(row["stopped"] for row in rows) / len(rows)})
+
+class GrpoRunTrainer(RunFolderTrainer, GRPOTrainer):
+    pass
+
+
+def build(stage: str, *, data_collator, renderer, reward_functions, reference, **kwargs):
+    """The stage's trainer. `reference`: DPO's and KTO's reference model, None where TRL needs none. kwargs: those of
+    RunFolderTrainer and of TRL's trainers that every stage takes."""
+    if stage == "sft":
+        return RunTrainer(data_collator=data_collator, **kwargs)
+    kwargs["similar_lengths"] = False  # TRL's own order (GRPO's groups of generations need its sampler)
+    if stage == "dpo":
+        return DpoRunTrainer(ref_model=reference, **kwargs)
+    if stage == "kto":
+        return KtoRunTrainer(ref_model=reference, **kwargs)
+    trainer = GrpoRunTrainer(reward_funcs=reward_functions, **kwargs)
+    trainer.chat_template = renderer.template  # prompts rendered as the data was, on the same fixed date
+    trainer.chat_template_kwargs = renderer.template_kwargs
+    return trainer

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from finetune.answers import check_extraction, extract_answer
 from finetune.errors import UserError
 
 BUILTIN = {"answer": ("extract",), "format": ("pattern",), "length": ("max_tokens",)}
@@ -51,11 +52,7 @@ def _checked_settings(entry: dict, key: str, where: str) -> dict[str, Any]:
     function = entry["function"]
     if function == "answer":
         extract = entry.get("extract", "none")
-        if extract not in ("none", "gsm8k", "last-number") and not str(extract).startswith("regex:"):
-            raise UserError(f"{where}: {key}.extract must be gsm8k, last-number, none or regex:PATTERN, got "
-                            f"{extract!r}")
-        if str(extract).startswith("regex:"):
-            _compiled(extract.removeprefix("regex:"), f"{key}.extract", where)
+        check_extraction(extract, f"{where}: {key}.extract")
         return {"extract": extract}
     if function == "format":
         if not isinstance(entry.get("pattern"), str):
@@ -143,8 +140,6 @@ def _raw_texts(tokenizer, completions, completion_ids) -> list[str]:
 
 
 def _builtin(reward: dict[str, Any], tokenizer) -> Callable:
-    from finetune.evaluate import extract_answer
-
     if reward["function"] == "answer":
         extract = reward["extract"]
 

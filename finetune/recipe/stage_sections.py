@@ -18,7 +18,7 @@ import typing
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.typecheck import coerce
+from finetune.recipe.typecheck import coerce
 
 STAGES = ("sft", "dpo", "kto", "grpo")
 PREFERENCE_STAGES = ("dpo", "kto")
@@ -89,7 +89,7 @@ def resolve_section(stage: str, given: dict[str, Any], origin, suggest) -> dict[
         dotted = f"{stage}.{key}"
         where = origin(dotted)
         if stage == "grpo" and key == "rewards":
-            from finetune import rewards
+            from finetune.recipe import rewards
 
             values[key] = rewards.check(value, where)
             continue

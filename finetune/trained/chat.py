@@ -56,8 +56,8 @@ class Chat:
 
     def __init__(self, path, base_model: str | None = None, base: bool = False):
         """`base`: chat with the model the run started from, through the same template (for comparisons)."""
-        from finetune import saved_model
         from finetune.data.render import Renderer
+        from finetune.trained import saved_model
 
         self.folder = saved_model.locate(path)
         tokenizer = saved_model.load_tokenizer(self.folder)

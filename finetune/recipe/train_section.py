@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.typecheck import coerce
+from finetune.recipe.typecheck import coerce
 
 # Where the toolkit's defaults differ from SFTConfig's. The learning rate depends on the method (see `train_defaults`).
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -65,9 +65,9 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
     """train.* over the toolkit defaults, each key checked against the stage's TRL config (SFTConfig, DPOConfig,
     ...), then that config's own checks. `origin(key)` names where a key was set; `suggest(key)` offers the closest
     valid key."""
-    from finetune import stages
+    from finetune.recipe import stage_sections
 
-    fields = stages.train_fields(stage)
+    fields = stage_sections.train_fields(stage)
     rates = LEARNING_RATES if stage == "sft" else STAGE_LEARNING_RATES
     train = {**TRAIN_DEFAULTS, "learning_rate": rates[method]}
     if stage != "sft":
@@ -80,12 +80,12 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
         if key in NOT_USED:
             raise UserError(f"{where}: train.{key} is not used here: {NOT_USED[key]}")
         if key not in fields:
-            if stage != "sft" and key in stages.section_fields(stage):
+            if stage != "sft" and key in stage_sections.section_fields(stage):
                 raise UserError(f"{where}: train.{key} is a setting of stage {stage}: write it as {stage}.{key}")
             if stage != "sft" and key in sft_fields():
                 raise UserError(f"{where}: train.{key} is SFT's (stage sft); stage {stage} does not use it")
             raise UserError(f"{where}: unknown key 'train.{key}' (not a field of TRL's "
-                            f"{stages.config_class(stage).__name__})" + suggest(f"train.{key}"))
+                            f"{stage_sections.config_class(stage).__name__})" + suggest(f"train.{key}"))
         train[key] = coerce(value, fields[key], f"train.{key}", where)
     if for_training:
         _check_report_to(train.get("report_to"), origin("train.report_to"))
@@ -100,7 +100,7 @@ def resolve(given: dict[str, Any], method: str, has_eval: bool, output_dir: str 
                 f"{origin('train.' + key)}: train.{key} needs eval data; set data.eval or data.eval_fraction"
             )
     try:  # the config's own checks, without devices
-        config = stages.config_class(stage)
+        config = stage_sections.config_class(stage)
         names = {f.name for f in dataclasses.fields(config)}
         values = {key: value for key, value in sft_values(train).items() if key in names}
         stage_values = {key: value for key, value in (section or {}).items() if key != "rewards"}

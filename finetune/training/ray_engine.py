@@ -101,14 +101,14 @@ def _work(config: dict) -> None:
     import ray.train
     import torch.distributed
 
-    from finetune import backends
+    from finetune.models import backends
 
     if os.path.isdir(config["cwd"]):
         os.chdir(config["cwd"])  # relative paths (recipe, data, output_dir) mean what they meant at the launch
     backends.import_first(config["recipe"], config["overrides"])
-    from finetune.config import load_recipe
+    from finetune.recipe.schema import load_recipe
     from finetune.run_folder import latest_checkpoint
-    from finetune.training_run import run
+    from finetune.training.run import run
 
     output_dir = load_recipe(config["recipe"], config["overrides"]).output_dir
     resume = [config["resume"]]

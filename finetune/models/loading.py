@@ -14,7 +14,6 @@ from finetune import builtin, hub
 from finetune.data.render import training_template
 from finetune.errors import UserError
 
-
 # A model folder holds at least one of these where it has a tokenizer (fast, SentencePiece, BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
 
@@ -52,12 +51,22 @@ def load_tokenizer(recipe):
 
 
 def _check_template(template: str, where: str) -> None:
-    """A chat template that is not valid Jinja fails once, here, rather than once per row."""
+    """A chat template that is not valid Jinja fails once, here, rather than once per row: parsed as transformers
+    reads it (a sandboxed environment with loop controls, and the `{% generation %}` blocks of training templates)."""
     from jinja2 import TemplateError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     try:
-        _compile_jinja_template(template)
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, loopcontrols]).parse(template)
     except TemplateError as error:
         line = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
         raise UserError(f"{where} is not a valid Jinja template{line}: {error.message}") from None

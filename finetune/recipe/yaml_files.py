@@ -11,7 +11,6 @@ import yaml
 
 from finetune.errors import UserError
 
-
 MERGE = "tag:yaml.org,2002:merge"
 
 

@@ -54,7 +54,7 @@ class PeakMemory(TrainerCallback):
 
 def probe(recipe_path: str, overrides: list[str]) -> int:
     """Train PROBE_STEPS steps of the recipe (the longest batch comes first) in a scratch folder; the peak (bytes)."""
-    from finetune.training_run import run
+    from finetune.training.run import run
 
     meter = PeakMemory()
     scratch = tempfile.mkdtemp(prefix="finetune-probe-")

@@ -23,9 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import saved_model
 from finetune.errors import CommandFailed, UserError
 from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
+from finetune.trained import saved_model
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
@@ -96,8 +96,8 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.chat import end_token_ids
     from finetune.data.render import Renderer
+    from finetune.trained.chat import end_token_ids
 
     tokenizer = saved_model.load_tokenizer(source)
     renderer = _renderer(tokenizer, source, Renderer)
@@ -407,7 +407,7 @@ def _shown_recipe(recipe, base: str) -> str:
 def evaluation_lines(source: saved_model.SavedModel) -> list[str]:
     """The card's evaluation section: `finetune eval` results kept in the run for this model, beside the base's
     on the same data."""
-    from finetune.evaluate import saved_results, shown_value
+    from finetune.trained.evaluate import saved_results, shown_value
 
     if source.run is None:
         return []
