@@ -89,7 +89,7 @@ def export_command(args) -> int:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
     run = saved_model.locate(args.path).run
     if args.register:
-        from finetune.training.tracking import check_store
+        from finetune.mlflow_store import check_store
 
         check_store(run or args.out, None, "--register")
     _quiet_loading()
@@ -104,7 +104,8 @@ def export_command(args) -> int:
     if result.url:
         print(f"pushed: {result.url}")
     if args.register:
-        from finetune.training.tracking import open_command, register
+        from finetune.mlflow_store import open_command
+        from finetune.training.tracking import register
 
         version, uri = register(result.folder, args.register, run)
         print(f"registered: {args.register} version {version} in {uri} (open it with: {open_command(uri)})")

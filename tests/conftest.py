@@ -3,16 +3,22 @@ from ../shared/assets (or $FINETUNE_SHARED_ASSETS) and tests that need them skip
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("FINETUNE_SHARED_ASSETS", REPO.parent / "shared" / "assets"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores: torch's threads of two trainings at once, each as many as the cores, run several
+    # times slower than one thread each. Set before torch is imported here or in any process a test starts.
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -66,6 +72,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 900, module: s
     )
 
 
+def launch_argv(accelerate_config: str, *options: str) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/NAME.yaml [OPTIONS] -m finetune.train`, as the README
+    launches: the recipe and its overrides follow."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "accelerate_configs" / f"{accelerate_config}.yaml"), *options, "-m", "finetune.train"]
+
+
+def launch_cli(accelerate_config: str, *args: str, cwd: Path | None = None, timeout: float = 900,
+               env: dict | None = None):
+    """launch_argv's command with the recipe and overrides `args`, run to its end."""
+    return subprocess.run([*launch_argv(accelerate_config), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
 def cli_here(capsys, *args: str) -> tuple[int, str, str]:
     """`finetune ARGS` in this process, for checks that need no fresh interpreter (no start-up paid, no
     environment of their own): its exit status, stdout and stderr."""
@@ -97,14 +117,36 @@ def trained_spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
     return [tokenizer.decode(span, clean_up_tokenization_spaces=False) for span in spans]
 
 
+def built_once(tmp_path_factory, name: str, build) -> Any:
+    """build(folder)'s result (JSON), built once for the whole test run: by the first pytest-xdist worker that asks,
+    while the others wait for it and then read it. A build records failures in its result rather than raising."""
+    from filelock import FileLock
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    root = tmp_path_factory.getbasetemp().parent / f"built-once-{run}" if run else tmp_path_factory.getbasetemp()
+    root.mkdir(exist_ok=True)
+    result = root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not result.exists():
+            folder = root / name
+            folder.mkdir()
+            result.write_text(json.dumps(build(folder)))
+    return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Random-init, scaled-down Llama 3.2 and GPT-OSS (24 layers, so layer-indexed settings apply unchanged), saved
     with the real tokenizers as ordinary Hugging Face folders."""
     from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
 
-    return {"llama": save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tiny_llama_3_2()),
-            "gpt-oss": save_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), tiny_gpt_oss(num_hidden_layers=24))}
+    asset("tokenizers/llama-3.2-instruct"), asset("tokenizers/gpt-oss")
+
+    def build(folder: Path) -> dict[str, str]:
+        return {"llama": str(save_tiny_model(folder / "llama", tiny_llama_3_2())),
+                "gpt-oss": str(save_tiny_model(folder / "gpt-oss", tiny_gpt_oss(num_hidden_layers=24)))}
+
+    return {name: Path(path) for name, path in built_once(tmp_path_factory, "tiny-models", build).items()}
 
 
 def save_tiny_model(folder: Path, config) -> Path:
@@ -149,22 +191,25 @@ def equal_batch_runs(tmp_path_factory) -> EqualBatchRuns:
     """The same global batch trained by one process and by two DDP processes (the engines' reference)."""
     from finetune.builtin import resolve_dataset
 
-    folder = tmp_path_factory.mktemp("equal-batch")
-    rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
-    data = folder / "greetings-37.jsonl"
-    data.write_text("\n".join(rows[:37]) + "\n")
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"data.train={data}", f"output_dir={folder / 'two'}", "train.per_device_train_batch_size=2",
-         *EQUAL_BATCH_EPOCH, *(["train.report_to=[mlflow]"] if _installed("sqlalchemy") else [])],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={folder / 'one'}",
-                  "train.per_device_train_batch_size=4", *EQUAL_BATCH_EPOCH)
-    assert one.returncode == 0, one.stderr[-3000:]
-    return EqualBatchRuns(data, folder / "one", folder / "two", {"one": one.stdout, "two": two.stdout})
+    def build(folder: Path) -> dict:
+        rows = Path(resolve_dataset("builtin:greetings")).read_text().splitlines()
+        data = folder / "greetings-37.jsonl"
+        data.write_text("\n".join(rows[:37]) + "\n")
+        two = launch_cli("cpu_ddp_2proc", "quickstart", f"data.train={data}", f"output_dir={folder / 'two'}",
+                         "train.per_device_train_batch_size=2", *EQUAL_BATCH_EPOCH,
+                         *(["train.report_to=[mlflow]"] if _installed("sqlalchemy") else []))
+        one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={folder / 'one'}",
+                      "train.per_device_train_batch_size=4", *EQUAL_BATCH_EPOCH)
+        return {"folder": str(folder), "data": str(data),
+                **{name: [result.returncode, result.stdout, result.stderr] for name, result in (("one", one),
+                                                                                                ("two", two))}}
+
+    built = built_once(tmp_path_factory, "equal-batch", build)
+    for name in ("two", "one"):
+        assert built[name][0] == 0, built[name][2][-3000:]
+    folder = Path(built["folder"])
+    return EqualBatchRuns(Path(built["data"]), folder / "one", folder / "two",
+                          {name: built[name][1] for name in ("one", "two")})
 
 
 @dataclass
@@ -180,7 +225,11 @@ class QuickstartWorkspace:
 @pytest.fixture(scope="session")
 def quickstart_workspace(tmp_path_factory) -> QuickstartWorkspace:
     """The README's quickstart, trained once from an empty working directory: the model that answers names."""
-    folder = tmp_path_factory.mktemp("quickstart")
-    result = subprocess.run([str(Path(sys.executable).parent / "finetune"), "train", "quickstart"], cwd=folder,
-                            capture_output=True, text=True, timeout=900)
-    return QuickstartWorkspace(folder, result)
+    def build(folder: Path) -> dict:
+        result = subprocess.run([str(Path(sys.executable).parent / "finetune"), "train", "quickstart"], cwd=folder,
+                                capture_output=True, text=True, timeout=900)
+        return {"folder": str(folder), "args": result.args, "returncode": result.returncode, "stdout": result.stdout,
+                "stderr": result.stderr}
+
+    built = built_once(tmp_path_factory, "quickstart", build)
+    return QuickstartWorkspace(Path(built.pop("folder")), subprocess.CompletedProcess(**built))

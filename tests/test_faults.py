@@ -16,7 +16,7 @@ import pytest
 
 from finetune.run_folder import checkpoints, is_complete
 from finetune.training.launcher import children, process_tree
-from tests.conftest import REPO, run_cli
+from tests.conftest import launch_argv, launch_cli, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -119,9 +119,8 @@ def test_a_stop_signal_that_arrives_twice_is_one_stop_request(tmp_path):
     signal on: each training process gets it twice."""
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"output_dir={run}", *QUICK, "train.max_steps=100000", "train.save_strategy=no"],
+        [*launch_argv("cpu_ddp_2proc"), "quickstart", f"output_dir={run}", *QUICK, "train.max_steps=100000",
+         "train.save_strategy=no"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "FINETUNE_FAULTS": "slow-save:5"})
     wait_for_rows(run, process, 2)
@@ -134,11 +133,8 @@ def test_a_stop_signal_that_arrives_twice_is_one_stop_request(tmp_path):
     assert status["status"] == "stopped", output[-3000:]
     assert is_complete(run / f"checkpoint-{status['step']}")
     # And it continues under the same bare launcher.
-    resumed = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "quickstart",
-         f"output_dir={run}", *QUICK, f"train.max_steps={status['step'] + 2}", "train.save_strategy=no", "--resume"],
-        capture_output=True, text=True, timeout=300)
+    resumed = launch_cli("cpu_ddp_2proc", "quickstart", f"output_dir={run}", *QUICK,
+                         f"train.max_steps={status['step'] + 2}", "train.save_strategy=no", "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows(run)[-1]["status"] == "completed" and rows(run)[-1]["step"] == status["step"] + 2
 

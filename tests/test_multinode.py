@@ -7,15 +7,13 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, SHORT, run_cli
+from tests.conftest import REPO, SHORT, launch_argv, run_cli
 from tests.test_training import adapter, losses
 
 pytestmark = pytest.mark.integration
-CONFIG = REPO / "accelerate_configs" / "multi_node_ddp.yaml"
 
 
 def free_port() -> int:
@@ -28,10 +26,9 @@ def test_two_machines_train_like_one(tmp_path):
     port = free_port()
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
-             "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
-             "-m", "finetune.train", "quickstart", f"output_dir={tmp_path / 'two-machines'}",
+            [*launch_argv("multi_node_ddp", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                          "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision",
+                          "no"), "quickstart", f"output_dir={tmp_path / 'two-machines'}",
              "train.per_device_train_batch_size=2", *SHORT],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

@@ -255,9 +255,8 @@ def test_a_run_started_from_the_command_line_shows_running_and_stops(tmp_path):
 
 def test_stop_never_signals_a_process_group_that_is_no_longer_the_runs(tmp_path):
     """After a restart, a launch record's process id may belong to another program by now."""
-    from finetune.ui.workspace import Workspace
-
     from finetune.training.launcher import start_time
+    from finetune.ui.workspace import Workspace
 
     workspace = Workspace(tmp_path)
     workspace.create()

@@ -60,9 +60,8 @@ def test_the_panel_stops_a_ray_run_at_the_end_of_a_step_with_a_checkpoint(tmp_pa
     """Stop signals the Ray driver alone (Ray's own processes share its group); the workers see the run folder's
     .stop, save a checkpoint and end with status stopped, and no process of the launch is left."""
     pytest.importorskip("ray.train", reason="the ray extra is not installed")
-    from finetune.ui.workspace import Workspace, group_alive
-
     from finetune.run_folder import checkpoint_step, latest_checkpoint, training_rows
+    from finetune.ui.workspace import Workspace, group_alive
 
     workspace = Workspace(tmp_path)
     group = workspace.launch(workspace.command("quickstart", [*SHORT, "train.max_steps=1000"], "r", "ray:2"), "r")

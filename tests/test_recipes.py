@@ -6,12 +6,10 @@ GPU), and batch, accumulation, length and steps are small enough to finish in se
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, asset
+from tests.conftest import asset, launch_cli
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +27,8 @@ def data(architecture: str) -> list[str]:
 
 
 def train(recipe: str, model, data: list[str], output_dir) -> list[dict]:
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", recipe,
-         f"model.name_or_path={model}", f"output_dir={output_dir}", *data, *SCALED_DOWN],
-        capture_output=True, text=True, timeout=900,
-    )
+    result = launch_cli("cpu_ddp_2proc", recipe, f"model.name_or_path={model}", f"output_dir={output_dir}", *data,
+                        *SCALED_DOWN)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in (output_dir / "progress.jsonl").read_text().splitlines()]
 

@@ -13,13 +13,12 @@ import json
 import os
 import random
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, asset, cli_here, run_cli, write_recipe
+from tests.conftest import REPO, asset, cli_here, launch_argv, launch_cli, run_cli, write_recipe
 
 PROMPTS = ["Pick a color.", "Choose a color.", "Name a color.", "Say a color.", "Which color?", "A color, please."]
 TRAIN = ["train.max_length=64", "train.gradient_checkpointing=false", "train.save_strategy=no",
@@ -177,11 +176,8 @@ def test_dpo_on_two_processes_equals_one_process_with_the_global_batch(color_run
 
     common = [*TRAIN, f"model.adapter={color_runs.sft}", "data.eval_fraction=0", "train.eval_on_start=false",
               "train.eval_strategy=no", "train.max_steps=6", "train.logging_steps=1"]
-    two = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train", "dpo.yaml", *common,
-         f"output_dir={tmp_path / 'two'}", "train.per_device_train_batch_size=4"],
-        capture_output=True, text=True, timeout=600, cwd=color_runs.folder)
+    two = launch_cli("cpu_ddp_2proc", "dpo.yaml", *common, f"output_dir={tmp_path / 'two'}",
+                     "train.per_device_train_batch_size=4", timeout=600, cwd=color_runs.folder)
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_cli("train", "dpo.yaml", *common, f"output_dir={tmp_path / 'one'}",
                   "train.per_device_train_batch_size=8", cwd=color_runs.folder)
@@ -370,8 +366,7 @@ def test_user_reward_function_is_loaded_and_called(tmp_path):
 def test_stage_recipes_for_gpus_train_scaled_down(tiny_models, tmp_path):
     """The shipped DPO (QLoRA) and GRPO recipes, on two DDP processes with a random tiny Llama 3.2 and the real
     tokenizer: HH pairs and GSM8K questions."""
-    ddp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "-m", "finetune.train"]
+    ddp = launch_argv("cpu_ddp_2proc")
     small = ["model.backend=hf", "train.max_steps=2", "train.logging_steps=1", "train.save_strategy=no",
              "data.max_rows=40", f"model.name_or_path={tiny_models['llama']}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

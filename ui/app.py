@@ -13,12 +13,12 @@ import sys
 
 import gradio as gr
 import pandas as pd
-from finetune.ui.chat_models import ChatModels
-from finetune.ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
 
 from finetune import run_folder
+from finetune.mlflow_store import recorded
 from finetune.trained.evaluate import DEFAULT_METRICS, METRICS, shown_value
-from finetune.training.tracking import recorded
+from finetune.ui.chat_models import ChatModels
+from finetune.ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
 
 ONE_PROCESS = "one process (finetune train)"
 THIS_CPU = "this machine's CPU"
