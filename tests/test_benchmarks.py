@@ -41,10 +41,11 @@ def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
          "--methods", "lora-fp32", "--checkpointing", "on", "--json", str(out)],
         capture_output=True, text=True, timeout=900,
     )
-    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a case outside the target, which is a finding
     [case] = json.loads(out.read_text())
-    assert case["planned"] > 0 and case["measured"] > 0 and case["off"] == (case["planned"] - case["measured"]) / \
-        case["measured"]
+    assert result.returncode == (0 if case["within"] else 1), result.stderr[-3000:]  # 1: a case off its target
+    assert case["planned"] > 0 and case["measured"] > 0
+    row = next(line.split() for line in result.stdout.splitlines() if line.startswith("tiny"))
+    assert row[4:] == [f"{case['planned'] / 2**30:.2f}Gi", f"{case['measured'] / 2**30:.2f}Gi", f"{case['off']:+.1%}"]
 
 
 def test_generation_script_gives_the_same_answers_batched(tmp_path):
@@ -59,5 +60,6 @@ def test_generation_script_gives_the_same_answers_batched(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["same_answers"] is True and results["generated_tokens"] == 6 * 8
-    assert results["speedup"] == pytest.approx(results["one_at_a_time_s"] / results["batch_4_s"], abs=0.02)
-    assert f"speedup: {results['one_at_a_time_s']:.2f} / {results['batch_4_s']:.2f}" in result.stdout
+    assert results["one_at_a_time_s"] > 0 and results["batch_4_s"] > 0
+    assert f"speedup: {results['one_at_a_time_s']:.2f} / {results['batch_4_s']:.2f} = {results['speedup']}x; " \
+           "same answers: True" in result.stdout

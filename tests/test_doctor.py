@@ -4,7 +4,6 @@ clearly, naming the rank, when one rank disagrees or hangs."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -37,9 +36,21 @@ def test_ddp_check_passes_on_two_cpu_processes():
 ])
 def test_ddp_check_names_the_rank_that_disagrees_or_hangs(fault, message):
     started = time.monotonic()
-    result = run_cli("doctor", "--ddp", "2", env={**os.environ, "FINETUNE_DOCTOR_FAULT": fault}, timeout=120)
+    mark = f"doctor-{fault}-{os.getpid()}"  # tells this test's processes from any other doctor on the machine
+    result = run_cli("doctor", "--ddp", "2", env={**os.environ, "FINETUNE_DOCTOR_FAULT": fault,
+                                                    "FINETUNE_TEST_MARK": mark}, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"error: DDP health check failed: {message}" in result.stderr
     assert time.monotonic() - started < 60  # a hang is reported, never waited out
-    leftover = subprocess.run(["pgrep", "-f", "finetune.doctor"], capture_output=True, text=True).stdout.split()
-    assert leftover == []
+    assert processes_marked(mark) == []  # no worker outlives the check
+
+
+def processes_marked(mark: str) -> list[int]:
+    import psutil
+
+    marked = []
+    for process in psutil.process_iter(["environ", "status"]):
+        environment = process.info["environ"] or {}
+        if environment.get("FINETUNE_TEST_MARK") == mark and process.info["status"] != psutil.STATUS_ZOMBIE:
+            marked.append(process.pid)
+    return marked

@@ -36,11 +36,19 @@ def test_exactly_two_install_commands_and_ci_runs_the_test_one():
     assert install[1] in (REPO / ".ci" / "run").read_text(encoding="utf-8")
 
 
-def test_gpu_commands_name_shipped_configs():
-    gpu = [c for c in commands() if "ddp_8gpu" in c]
-    assert len(gpu) == 2
-    assert all((REPO / "accelerate_configs" / "ddp_8gpu.yaml").is_file() for _ in gpu)
-    assert "-m finetune.train" in gpu[1]
+def test_launch_commands_name_shipped_configs():
+    """Every accelerate config a README command names, by name (--accelerate-config) or by path (accelerate launch
+    --config_file), is a shipped one."""
+    named = []
+    for argv in map(shlex.split, commands()):
+        for option in ("--accelerate-config", "--config_file"):
+            if option in argv:
+                named.append(argv[argv.index(option) + 1])
+    assert len(named) >= 8 and any(name.startswith("accelerate_configs/") for name in named)
+    for name in named:
+        shipped = REPO / name if name.startswith("accelerate_configs/") else REPO / "accelerate_configs" / f"{name}.yaml"
+        assert shipped.is_file(), name
+    assert any(c.startswith("accelerate launch") and "-m finetune.train" in c for c in commands())
 
 
 def test_gpu_recipe_commands_name_shipped_recipes_and_configs():
