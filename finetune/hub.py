@@ -11,12 +11,11 @@ import functools
 import os
 import re
 import socket
-import sys
 import threading
-from pathlib import Path
 from urllib.parse import urlparse
 
 from finetune.errors import UserError
+from finetune.hooks.huggingface_hub import stay_offline
 
 TIMEOUT_S = 3.0
 
@@ -34,7 +33,7 @@ def check_available(name: str, key: str, kind: str = "model") -> None:
     if reachable():
         return
     if _cached(name, kind):
-        _stay_offline()
+        stay_offline()
         return
     from huggingface_hub import constants
 
@@ -74,18 +73,9 @@ def _offline_by_setting() -> bool:
 
 
 def _cached(name: str, kind: str) -> bool:
-    from huggingface_hub import constants
+    from huggingface_hub import CacheNotFound, scan_cache_dir
 
-    return (Path(constants.HF_HUB_CACHE) / f"{kind}s--{name.replace('/', '--')}").is_dir()
-
-
-def _stay_offline() -> None:
-    """Load from the cache without trying the network first (transformers, datasets and huggingface_hub read this
-    setting when they fetch)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from huggingface_hub import constants
-
-    constants.HF_HUB_OFFLINE = True
-    datasets_config = sys.modules.get("datasets.config")  # read at its import, like huggingface_hub's
-    if datasets_config is not None:
-        datasets_config.HF_HUB_OFFLINE = True
+    try:
+        return any(repo.repo_id == name and repo.repo_type == kind for repo in scan_cache_dir().repos)
+    except CacheNotFound:
+        return False

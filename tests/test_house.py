@@ -4,6 +4,7 @@ functions count)."""
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -11,7 +12,7 @@ from tests.conftest import REPO
 # Lowest first. A module may import its own wing's modules and those of the wings below it.
 WINGS = [
     ("base", ["finetune.errors", "finetune.resources", "finetune.run_folder", "finetune.builtin", "finetune.hub",
-              "finetune.answers", "finetune.mlflow_store", "finetune"]),
+              "finetune.answers", "finetune.mlflow_store", "finetune.hooks", "finetune"]),
     ("data", ["finetune.data"]),
     ("models", ["finetune.models"]),
     ("recipe", ["finetune.recipe"]),
@@ -66,3 +67,21 @@ def test_every_import_goes_down_and_none_closes_a_cycle():
 
     cycles = sorted(module for module in graph if reaches(module, module, set()))
     assert not cycles, f"modules in an import cycle: {', '.join(cycles)}"
+
+
+def test_a_library_that_changed_under_its_hooks_is_named(monkeypatch):
+    import importlib.metadata
+
+    import pytest
+
+    from finetune.hooks import check_pin
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.18.1" if name == "transformers" else real(name))
+    with pytest.warns(UserWarning, match=r"finetune reaches into transformers 5\.17\.0's private Trainer\._run_epoch, "
+                                         r"Trainer\._save, and transformers 5\.18\.1 is installed"):
+        check_pin("transformers", "5.17.0", ("Trainer._run_epoch", "Trainer._save"))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.3" if name == "transformers" else real(name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_pin("transformers", "5.17.0", ("Trainer._run_epoch",))  # a patch release: no warning

@@ -33,7 +33,7 @@ class Source:
     _hub_dataset: Any = None
 
     def fingerprint(self) -> str:
-        """Changes whenever the rows could: file contents, or the Hub dataset's own fingerprint."""
+        """Changes whenever the rows could: file contents, or the Hub dataset's revision."""
         digest = hashlib.sha256()
         for path in self.files:
             digest.update(str(path.name).encode())
@@ -41,7 +41,8 @@ class Source:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
         if self.hub:
-            digest.update(self._load_hub()._fingerprint.encode())
+            # its Arrow files: their paths name the dataset's revision (a commit of the Hub repository)
+            digest.update("\n".join(part["filename"] for part in self._load_hub().cache_files).encode())
         return digest.hexdigest()
 
     def parts(self) -> Iterator[tuple[str, Iterator[tuple[str, dict | BadRow]]]]:

@@ -206,10 +206,7 @@ def _check_numbers(train: dict[str, Any], origin) -> None:
 
 
 def _check_report_to(report_to: Any, where: str) -> None:
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:

@@ -101,6 +101,7 @@ def _work(config: dict) -> None:
     import ray.train
     import torch.distributed
 
+    from finetune.hooks import ray as ray_hooks
     from finetune.models import backends
 
     if os.path.isdir(config["cwd"]):
@@ -112,7 +113,7 @@ def _work(config: dict) -> None:
 
     output_dir = load_recipe(config["recipe"], config["overrides"]).output_dir
     resume = [config["resume"]]
-    if ray.train.get_context().get_world_rank() == 0 and _started_before():
+    if ray.train.get_context().get_world_rank() == 0 and ray_hooks.started_before():
         if latest_checkpoint(output_dir) is not None:
             resume = [True]
         elif not config["resume"]:
@@ -122,21 +123,6 @@ def _work(config: dict) -> None:
         run(config["recipe"], config["overrides"], resume[0], callbacks=(_reporter(),))
     except (UserError, RunFailed):
         pass  # it would fail again if Ray retried it; the run folder says why, and the launch reads it there
-
-
-def _started_before() -> bool:
-    """Whether an earlier try of this Ray run started (Ray starts the workers again after one died). Ray's own
-    record of the last checkpoint cannot say: a report may not be committed yet when a worker dies."""
-    import ray.train
-
-    storage = ray.train.get_context().get_storage()
-    marker = f"{storage.experiment_fs_path}/finetune_started"
-    if storage.storage_filesystem.get_file_info(marker).size is not None:
-        return True
-    storage.storage_filesystem.create_dir(storage.experiment_fs_path)
-    with storage.storage_filesystem.open_output_stream(marker):
-        pass
-    return False
 
 
 def _reporter():

@@ -18,7 +18,6 @@ adapter): never a second copy of the weights.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import shutil
@@ -27,21 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers.trainer
 from transformers import TrainerCallback
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 
 from finetune.data.render import IGNORE
 from finetune.data.sampler import SimilarLengthSampler
 from finetune.errors import RunFailed
+from finetune.hooks import trl as trl_hooks
+from finetune.hooks.transformers import TrainerHooks
 from finetune.run_folder import RunFolder, latest_checkpoint
 from finetune.training import faults
 
 logger = logging.getLogger("finetune")
 
 
-class RunFolderTrainer:
-    """What every stage's trainer gets; mixed in before TRL's trainer class."""
+class RunFolderTrainer(TrainerHooks):
+    """What every stage's trainer gets; mixed in before TRL's trainer class (the Trainer's private methods it needs
+    are in hooks/transformers.py, which calls the methods here)."""
 
     def __init__(self, *args, run_folder: RunFolder, recipe_yaml: str, stop, save_total_limit: int | None,
                  max_length: int, similar_lengths: bool = True, resumed: dict[str, Any] | None = None, **kwargs):
@@ -64,12 +65,12 @@ class RunFolderTrainer:
         return self.elapsed_before + time.monotonic() - self.started
 
     # The data order, and where a resumed run starts in it.
-    def _get_train_sampler(self, train_dataset=None):
+    def training_order(self, dataset) -> SimilarLengthSampler | None:
+        """Our sampler (None: the trainer's own order)."""
         if not self.similar_lengths:
-            return super()._get_train_sampler(train_dataset)
+            return None
         import pyarrow.compute as pc
 
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
         lengths = pc.list_value_length(dataset.with_format("arrow")[:]["input_ids"]).to_pylist()
         self.sampler = SimilarLengthSampler(lengths, self.global_batch, self.args.data_seed or self.args.seed)
         return self.sampler
@@ -78,17 +79,14 @@ class RunFolderTrainer:
     def global_batch(self) -> int:
         return self.args.per_device_train_batch_size * self.args.world_size * self.args.gradient_accumulation_steps
 
-    def _run_epoch(self, **kwargs):
-        resuming = kwargs["resume_from_checkpoint"] is not None and kwargs["epoch"] == kwargs["epochs_trained"]
-        done = kwargs["steps_trained_in_current_epoch"] if resuming else 0
-        if not done or self.sampler is None:
-            return super()._run_epoch(**kwargs)
-        # HF would fast-forward by drawing every batch before this one from a rebuilt data loader (which no longer
-        # forwards set_epoch to our sampler); ours starts at the right batch itself. Each optimizer step takes one
-        # global batch of the sampler's order.
-        self.sampler.start_at(kwargs["epoch"], done // self.args.gradient_accumulation_steps)
-        with _batches_not_skipped():
-            return super()._run_epoch(**kwargs)
+    def start_epoch_at(self, epoch: int, micro_batches_done: int) -> bool:
+        """A resumed epoch starts at the batch after the checkpoint's, in our sampler's order (the Trainer would
+        fast-forward by drawing every batch before it from a rebuilt data loader, which no longer forwards set_epoch
+        to our sampler). Each optimizer step takes one global batch of the order. False: not our sampler."""
+        if self.sampler is None:
+            return False
+        self.sampler.start_at(epoch, micro_batches_done // self.args.gradient_accumulation_steps)
+        return True
 
     # Token counts.
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -101,10 +99,7 @@ class RunFolderTrainer:
             self.trained_tokens += int(trained_sum)
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if self.model.training:
-            # TRL counts a (rows x width) batch without attention_mask as `width` tokens; report the real count.
-            self._total_train_tokens = self.real_tokens
-            self._metrics["train"]["num_tokens"] = [self.real_tokens]
-            self._metrics["train"]["trained_tokens"] = [self.trained_tokens]
+            trl_hooks.report_tokens(self, self.real_tokens, self.trained_tokens)
         return result
 
     # Faults.
@@ -118,7 +113,8 @@ class RunFolderTrainer:
         except torch.OutOfMemoryError:
             raise RunFailed(self._out_of_memory(inputs), every_process_alike=False) from None
 
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+    def before_log_and_save(self, tr_loss, grad_norm) -> None:
+        """At the end of each optimizer step: a non-finite loss ends the run, a stop request is taken."""
         self._micro_batches = 0
         non_finite = self._non_finite(tr_loss, grad_norm)
         flags = torch.tensor([float(bool(non_finite)), float(self.stop.requested)], device=tr_loss.device)
@@ -129,7 +125,8 @@ class RunFolderTrainer:
         if flags[1] and not self.stopped:  # once: the epoch's end comes through here again
             self.stopped = True
             self.control.should_save = self.control.should_training_stop = True
-        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    def after_log_and_save(self) -> None:
         if self.state.global_step != self._last_step_seen:
             self._last_step_seen = self.state.global_step
             faults.reached("step", self.state.global_step)
@@ -172,14 +169,13 @@ class RunFolderTrainer:
         return f"Its last good checkpoint is {checkpoint}." if checkpoint else "It has no checkpoint yet."
 
     # Checkpoints that are complete or unusable, never half of each.
-    def _save_checkpoint(self, model, trial):
-        step = self.state.global_step
-        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
+    def save_checkpoint_whole(self, folder: Path, write) -> None:
+        """write() the checkpoint into `folder`; it counts only once every process has written its part."""
         if self.args.should_save and folder.exists():
             shutil.rmtree(folder)  # left by a stretch of the run that a resume replaced
         error = None
         try:
-            super()._save_checkpoint(model, trial)
+            write()
             if self.args.should_save:
                 self.run_folder.save_recipe(self.recipe_yaml, folder)
         except OSError as failure:
@@ -198,21 +194,24 @@ class RunFolderTrainer:
             best = self.state.best_model_checkpoint
             self.run_folder.rotate(self.save_total_limit, keep=Path(best).name if best else None)
 
-    def _save_optimizer_and_scheduler(self, output_dir):
-        faults.reached("save", self.state.global_step, Path(output_dir) / "optimizer.pt")
-        super()._save_optimizer_and_scheduler(output_dir)
+    def before_optimizer_saved(self, folder: Path) -> None:
+        faults.reached("save", self.state.global_step, folder / "optimizer.pt")
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None or self.args.world_size == 1 or self.args.device.type != "cpu" \
-                or self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            super()._load_optimizer_and_scheduler(checkpoint)
-        else:
-            # Several CPU processes: HF maps the optimizer state to the device "cpu:0", which torch.load cannot restore to.
-            folder = Path(checkpoint)
-            self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
-            self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-        if checkpoint is not None:
-            _replan_learning_rate(self.lr_scheduler, self.optimizer)
+    def load_optimizer_state(self, folder: Path) -> bool:
+        """Several CPU processes: the Trainer maps the optimizer state to the device "cpu:0", which torch.load cannot
+        restore to; loaded here instead (True), else left to the Trainer."""
+        if self.args.world_size == 1 or self.args.device.type != "cpu" or self.is_fsdp_enabled \
+                or self.is_deepspeed_enabled:
+            return False
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        return True
+
+    def after_optimizer_loaded(self) -> None:
+        _replan_learning_rate(self.lr_scheduler, self.optimizer)
+
+    def after_model_saved(self, folder: Path) -> None:
+        """After every save of the model (checkpoints and final/)."""
 
     def planned_steps(self) -> int:
         """The optimizer steps the run trains in all, as the Trainer plans them (max_steps, or its epochs)."""
@@ -261,16 +260,6 @@ class RunTrainer(RunFolderTrainer, SFTTrainer):
     pass
 
 
-@contextlib.contextmanager
-def _batches_not_skipped():
-    skip = transformers.trainer.skip_first_batches
-    transformers.trainer.skip_first_batches = lambda dataloader, num_batches=0: dataloader
-    try:
-        yield
-    finally:
-        transformers.trainer.skip_first_batches = skip
-
-
 class StepsOfThisRecipe(TrainerCallback):
     """A resumed run logs, evaluates and saves at the steps its recipe says now: the Trainer would keep those of the
     checkpoint's saved state and only warn that they differ."""
@@ -284,18 +273,17 @@ class _SavedWithoutReference:
     the trained one: the model and its checkpoints keep the trained adapter only (a resumed run copies the reference
     again from model.adapter)."""
 
-    def _save(self, output_dir=None, state_dict=None):
-        super()._save(output_dir, state_dict)
-        shutil.rmtree(Path(output_dir or self.args.output_dir) / "ref", ignore_errors=True)
+    def after_model_saved(self, folder: Path) -> None:
+        shutil.rmtree(folder / "ref", ignore_errors=True)
 
 
-class DpoRunTrainer(_SavedWithoutReference, RunFolderTrainer, DPOTrainer):
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+class DpoRunTrainer(_SavedWithoutReference, RunFolderTrainer, trl_hooks.PreparedData, DPOTrainer):
+    def prepared(self, dataset, args):
         return dataset  # prompt_ids, chosen_ids, rejected_ids
 
 
-class KtoRunTrainer(_SavedWithoutReference, RunFolderTrainer, KTOTrainer):
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+class KtoRunTrainer(_SavedWithoutReference, RunFolderTrainer, trl_hooks.PreparedData, KTOTrainer):
+    def prepared(self, dataset, args):
         if not self.calculate_KL:
             return dataset
 
@@ -322,6 +310,5 @@ def build(stage: str, *, data_collator, renderer, reward_functions, reference, *
     if stage == "kto":
         return KtoRunTrainer(ref_model=reference, **kwargs)
     trainer = GrpoRunTrainer(reward_funcs=reward_functions, **kwargs)
-    trainer.chat_template = renderer.template  # prompts rendered as the data was, on the same fixed date
-    trainer.chat_template_kwargs = renderer.template_kwargs
+    trl_hooks.render_prompts_with(trainer, renderer.template, renderer.template_kwargs)  # on the same fixed date
     return trainer
