@@ -8,8 +8,6 @@ export run in other processes (runs as `finetune train` in their own process gro
 from __future__ import annotations
 
 import shlex
-import subprocess
-import sys
 
 import gradio as gr
 import pandas as pd
@@ -18,7 +16,7 @@ from finetune import run_folder
 from finetune.mlflow_store import recorded
 from finetune.trained.evaluate import DEFAULT_METRICS, METRICS, shown_value
 from finetune.ui.chat_models import ChatModels
-from finetune.ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace, check_name
+from finetune.ui.workspace import FIELDS, RAY_PREFIX, PanelError, RunInfo, Workspace
 
 ONE_PROCESS = "one process (finetune train)"
 THIS_CPU = "this machine's CPU"
@@ -370,15 +368,9 @@ def build_app(workspace: Workspace, models: ChatModels | None = None) -> gr.Bloc
         # Export
         def export(run, checkpoint, name, merged, weights, repo, is_private):
             try:
-                folder = workspace.model_folder(run, checkpoint)
-                out = workspace.exports / check_name((name or "").strip(), "export name")
+                return workspace.export(run, checkpoint, name, merged, weights, repo, is_private), _token_line()
             except PanelError as error:
                 return f"# {error}", _token_line()
-            command = [sys.executable, "-m", "finetune", "export", str(folder), "--out", str(out)]
-            command += ["--merge", "--dtype", weights] if merged else []
-            command += ["--push-to-hub", repo.strip()] + (["--private"] if is_private else []) if repo.strip() else []
-            result = subprocess.run(command, capture_output=True, text=True, cwd=workspace.root)
-            return (result.stdout + result.stderr).strip() or f"exit status {result.returncode}", _token_line()
 
         export_button.click(export, [export_run, export_checkpoint, export_name, merge, dtype, push_repo, private],
                             [export_result, token_state], api_name="export")

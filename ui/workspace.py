@@ -50,6 +50,8 @@ FIELDS = {  # the recipe keys the Train tab edits, by label
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 RAY_PREFIX = "ray:"
 RAY_WORKERS = (2, 4, 8)
+EVAL_TIMEOUT_S = 6 * 3600  # lm-eval tasks on a large model take hours
+EXPORT_TIMEOUT_S = 3 * 3600  # a merged 20B model is loaded twice (merged, then checked) and may be pushed
 
 
 class PanelError(Exception):
@@ -355,7 +357,7 @@ class Workspace:
                    "--max-new-tokens", str(int(max_new_tokens)), "--out", str(out),
                    *[option for metric in metrics for option in ("--metric", metric)],
                    *(["--limit", str(int(limit))] if limit else [])]
-        result = subprocess.run(command, capture_output=True, text=True, cwd=self.root)
+        result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=EVAL_TIMEOUT_S)
         output = (result.stdout + result.stderr).strip()
         if result.returncode != 0:
             raise PanelError(output.splitlines()[-1] if output else f"finetune eval: exit status {result.returncode}")
@@ -376,6 +378,18 @@ class Workspace:
                     answers.append({"prompt": answer["prompt"], "reference": answer["reference"]})
                 answers[index][target] = answer["answer"] + ("" if answer["stopped"] else " …")
         return table, answers, output
+
+    def export(self, run: str, checkpoint: str, name: str, merge: bool, dtype: str, repo: str,
+               private: bool) -> str:
+        """`finetune export` of a run's model into exports/NAME (merged in `dtype`, pushed to `repo` if given):
+        what it printed."""
+        folder = self.model_folder(run, checkpoint)
+        out = self.exports / check_name((name or "").strip(), "export name")
+        command = [sys.executable, "-m", "finetune", "export", str(folder), "--out", str(out),
+                   *(["--merge", "--dtype", dtype] if merge else []),
+                   *(["--push-to-hub", repo.strip(), *(["--private"] if private else [])] if repo.strip() else [])]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=self.root, timeout=EXPORT_TIMEOUT_S)
+        return (result.stdout + result.stderr).strip() or f"exit status {result.returncode}"
 
     def _eval_folder(self, target: str) -> str:
         """The `finetune eval` target of a panel target: its model folder, or base: and any model of the run."""
