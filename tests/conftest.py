@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: torch's threads of two trainings at once, each as many as the cores, run several
     # times slower than one thread each. Set before torch is imported here or in any process a test starts.
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+# The files that take longest go first, so that at the end of a run on two workers neither waits long for the other
+# (pytest-xdist hands out whole files in this order); those that use the quickstart come after the others of them,
+# while it trains in the background (below); the quick ones fill in at the end.
+LONGEST_FIRST = ["test_chat_export.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_benchmarks.py",
+                 "test_training.py", "test_ray.py", "test_recipes.py", "test_readme.py", "test_evaluate.py",
+                 "test_panel.py", "test_multinode.py", "test_memory_plan.py", "test_doctor.py", "test_cli.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -122,9 +139,7 @@ def built_once(tmp_path_factory, name: str, build) -> Any:
     while the others wait for it and then read it. A build records failures in its result rather than raising."""
     from filelock import FileLock
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-    root = tmp_path_factory.getbasetemp().parent / f"built-once-{run}" if run else tmp_path_factory.getbasetemp()
-    root.mkdir(exist_ok=True)
+    root = _shared_root(tmp_path_factory)
     result = root / f"{name}.json"
     with FileLock(str(root / f"{name}.lock")):
         if not result.exists():
@@ -222,14 +237,49 @@ class QuickstartWorkspace:
         return self.folder / "runs" / "quickstart"
 
 
+QUICKSTART_LIMIT_S = 1800
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """A folder of this test run that every pytest-xdist worker sees (the run's own base folder without xdist)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    root = tmp_path_factory.getbasetemp().parent / f"built-once-{run}" if run else tmp_path_factory.getbasetemp()
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quickstart_started_early(request, tmp_path_factory, isolated_home):
+    """The README's quickstart takes minutes: when the collected tests need it, the first worker to start sets it
+    training at once, in the background, beside the tests that do not need it."""
+    if any("quickstart_workspace" in item.fixturenames for item in request.session.items):
+        _start_quickstart(_shared_root(tmp_path_factory))
+
+
+def _start_quickstart(root: Path) -> Path:
+    from filelock import FileLock
+
+    folder = root / "quickstart"
+    with FileLock(str(root / "quickstart.lock")):
+        if not folder.exists():
+            folder.mkdir()
+            command = f"{shlex.quote(str(Path(sys.executable).parent / 'finetune'))} train quickstart >stdout 2>stderr"
+            subprocess.Popen(["sh", "-c", f"{command}; echo $? >returncode.partial; mv returncode.partial returncode"],
+                             cwd=folder, stdin=subprocess.DEVNULL, start_new_session=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def quickstart_workspace(tmp_path_factory) -> QuickstartWorkspace:
     """The README's quickstart, trained once from an empty working directory: the model that answers names."""
-    def build(folder: Path) -> dict:
-        result = subprocess.run([str(Path(sys.executable).parent / "finetune"), "train", "quickstart"], cwd=folder,
-                                capture_output=True, text=True, timeout=900)
-        return {"folder": str(folder), "args": result.args, "returncode": result.returncode, "stdout": result.stdout,
-                "stderr": result.stderr}
+    import time
 
-    built = built_once(tmp_path_factory, "quickstart", build)
-    return QuickstartWorkspace(Path(built.pop("folder")), subprocess.CompletedProcess(**built))
+    folder = _start_quickstart(_shared_root(tmp_path_factory))
+    deadline = time.monotonic() + QUICKSTART_LIMIT_S
+    while not (folder / "returncode").exists():
+        assert time.monotonic() < deadline, f"the quickstart did not end within {QUICKSTART_LIMIT_S} s"
+        time.sleep(2)
+    returncode = int((folder / "returncode").read_text().strip())
+    return QuickstartWorkspace(folder, subprocess.CompletedProcess(
+        ["finetune", "train", "quickstart"], returncode, (folder / "stdout").read_text(),
+        (folder / "stderr").read_text()))

@@ -326,16 +326,18 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
     assert (ARTIFACTS / "panel-live.png").stat().st_size > 10_000
 
 
-def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_workspace):
-    """The quickstart's workspace in the panel: its Live tab shows the answers of the last two evaluations, and
+def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_workspace, tmp_path):
+    """The quickstart's run in a panel's workspace: its Live tab shows the answers of the last two evaluations, and
     the Evaluate tab puts the trained model beside its base on unseen names."""
     assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
-    panel = Panel(quickstart_workspace.folder)
+    run = tmp_path / "runs" / "quickstart"  # a copy: the evaluation's results go into the run folder
+    shutil.copytree(quickstart_workspace.run, run)
+    panel = Panel(tmp_path)
     try:
         api = panel.client
         samples = api.predict("quickstart", api_name="/progress")[3]
-        steps = [int(row["step"]) for row in map(json.loads, (quickstart_workspace.run / "progress.jsonl")
-                                                  .read_text().splitlines()) if "samples" in row]
+        steps = [int(row["step"]) for row in map(json.loads, (run / "progress.jsonl").read_text().splitlines())
+                 if "samples" in row]
         assert samples["headers"] == ["prompt", "reference", f"step {steps[-1]}", f"step {steps[-2]}"]
         assert len(samples["data"]) == 4 and all(row[1] == row[2] for row in samples["data"])
 

@@ -46,7 +46,7 @@ class Checked:
 def check(recipe, launch: Launch, resume: bool | str = False, validating: bool = False, say=None,
           one_at_a_time=contextlib.nullcontext) -> Checked:
     """Raises a UserError for the first thing to fix; else the backend, tokenizer and prepared (cached) data.
-    `validating`: an existing run in output_dir is a note, not a refusal. `say` (print, say) gets the backend line
+    `validating`: an existing run in output_dir is a note, not a refusal. `say` (print, for one) gets the backend line
     as soon as it is known. `one_at_a_time`: a context in which the processes of a launch load the tokenizer and
     prepare the data, the first process of each machine before the others (they then read its cache)."""
     import torch
