@@ -1,6 +1,6 @@
 """Where the toolkit reaches into a library's private parts, one module per library, each hook with the reason no
-public API serves. Each module checks at import that the installed library is the version its hooks were read
-against, and names its hooks when it is not."""
+public API serves. The modules of the libraries this project pins check at import that the installed release is
+the one their hooks were read against, and name their hooks when it is not."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from finetune.data.pipeline import PreparedData, prepare
 from finetune.models import backends
 from finetune.models.loading import load_tokenizer, model_config
-from finetune.recipe import stage_sections
+from finetune.recipe import memory_plan, stage_sections
 from finetune.recipe.train_section import check_device_options, trains_on_cpu
 from finetune.run_folder import check_free, check_writable, read_rows
 from finetune.training import resuming
@@ -28,8 +28,8 @@ class Launch:
     def of(cls, settings: dict | None) -> Launch:
         """From an accelerate config read as a mapping (or Ray's equivalent); None: one process."""
         settings = settings or {}
-        return cls(int(settings.get("num_processes") or 1) * int(settings.get("num_machines") or 1),
-                   str(settings.get("distributed_type") or "NO"), bool(settings.get("use_cpu")))
+        return cls(memory_plan.launch_of(settings).processes, str(settings.get("distributed_type") or "NO"),
+                   bool(settings.get("use_cpu")))
 
 
 @dataclass
