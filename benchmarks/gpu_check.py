@@ -113,7 +113,7 @@ def packing_child(recipe: Path, backend: str) -> dict:
     from finetune.models import backends
     from finetune.models.loading import load_model, training_precision
     from finetune.recipe.schema import load_recipe
-    from finetune.training.run import runtime_arguments
+    from finetune.training.arguments import runtime_arguments
 
     config = load_recipe(recipe, [f"model.backend={backend}", "train.packing=true"])
     model_type = json.loads((Path(config.model.name_or_path) / "config.json").read_text())["model_type"]
@@ -188,16 +188,16 @@ def planned_gib(recipe: Path, overrides: list[str]) -> float:
     """What `finetune estimate --probe` compares with the measured peak: the plan's tensors on this GPU (the whole
     process on the CPU), one process."""
     from finetune.models.loading import model_config
-    from finetune.recipe import memory_plan
+    from finetune.recipe import devices, memory_plan
     from finetune.recipe.schema import load_recipe
     from finetune.recipe.train_section import trains_on_cpu
 
     config = load_recipe(recipe, overrides)
-    device = memory_plan.this_machine(trains_on_cpu(config.train))
+    device = devices.this_machine(trains_on_cpu(config.train))
     alone = memory_plan.launch_of(None, 1)
     shape = memory_plan.model_shape(model_config(config), config)
     plan = memory_plan.plan(config, shape, device, alone, memory_plan.micro_batch_of(config, device, alone, shape))
-    return plan.measurable() / memory_plan.GIB
+    return plan.measurable() / devices.GIB
 
 
 def speed_verdict(result: dict) -> tuple[str, str]:

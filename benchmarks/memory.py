@@ -86,13 +86,13 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
 
     from finetune.models import backends
     from finetune.models.loading import model_config
-    from finetune.recipe import memory_plan
+    from finetune.recipe import devices, memory_plan
     from finetune.recipe.schema import load_recipe
     from finetune.training.probe import probe
 
     backends.import_first(recipe, overrides)
     loaded = load_recipe(recipe, overrides)
-    here = memory_plan.this_machine(cpu=not torch.cuda.is_available())
+    here = devices.this_machine(cpu=not torch.cuda.is_available())
     plan = memory_plan.plan(loaded, memory_plan.model_shape(model_config(loaded), loaded), here,
                             memory_plan.launch_of(None, 1), 1)
     measured = probe(recipe, overrides)

@@ -46,16 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="finetune", description="Memory-efficient LLM fine-tuning: recipes in, adapters out."
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    for add in (_add_train, _add_validate, _add_estimate, _add_doctor, _add_chat, _add_export, _add_eval, _add_ui):
+        add(commands)
+    return parser
 
-    def recipe_command(name: str, function, summary: str, description: str) -> argparse.ArgumentParser:
-        command = commands.add_parser(name, help=summary, description=description)
-        command.add_argument("recipe", help=RECIPE_HELP)
-        command.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-        command.set_defaults(command=function)
-        return command
 
-    train = recipe_command(
-        "train", train_command,
+def _recipe_command(commands, name: str, function, summary: str, description: str) -> argparse.ArgumentParser:
+    command = commands.add_parser(name, help=summary, description=description)
+    command.add_argument("recipe", help=RECIPE_HELP)
+    command.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    command.set_defaults(command=function)
+    return command
+
+
+def _add_train(commands) -> None:
+    train = _recipe_command(
+        commands, "train", train_command,
         "train a recipe on this machine, or on several processes with --accelerate-config",
         "Train a recipe. Writes the run folder (output_dir): finetune.yaml, progress.jsonl, train.log, "
         "checkpoint-N/ and final/.",
@@ -86,14 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--max-failures", type=int, default=0, metavar="N",
                      help="start the workers again this many times after a worker dies, resuming from the last "
                      "checkpoint (default: 0)")
-    recipe_command(
-        "validate", validate_command,
+
+
+def _add_validate(commands) -> None:
+    _recipe_command(
+        commands, "validate", validate_command,
         "check a recipe and its data without training",
         "Check a recipe and its data, print the resolved configuration and a data report (rows, token lengths, "
         "truncation, tokens that carry loss, one rendered example).",
     )
-    estimate = recipe_command(
-        "estimate", estimate_command,
+
+
+def _add_estimate(commands) -> None:
+    estimate = _recipe_command(
+        commands, "estimate", estimate_command,
         "plan the memory of a recipe per device before launch: fits or not, and the largest micro-batch",
         "Count what each device holds while the recipe trains (weights, adapter and optimizer state, DDP buckets, "
         "activations, loss, CUDA context) from the model's configuration, without loading weights; compare it "
@@ -109,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--probe", action="store_true",
                           help="also run two real training steps with the recipe's longest batch here, and print "
                           "the measured peak beside the plan")
+
+
+def _add_doctor(commands) -> None:
     doctor = commands.add_parser(
         "doctor", help="check what runs depend on here: versions, GPUs, disk, Hub token; --ddp: a DDP health check",
         description="Report torch, CUDA and NCCL versions, GPUs with memory and bf16 support, Unsloth, bitsandbytes, "
@@ -120,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or two CPU processes), checking that all ranks agree, and time an all-reduce")
     doctor.add_argument("--output-dir", default="runs", help="where runs will be written (for its free disk)")
     doctor.set_defaults(command=doctor_command)
+
+
+def _add_chat(commands) -> None:
     chat = commands.add_parser(
         "chat", help="chat with a trained model (a run's final/, a checkpoint-N/ or an export)",
         description="Chat with a trained model, with the chat template used in training. Interactive, with history "
@@ -135,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, help="a seed for sampling, for answers that repeat")
     chat.set_defaults(command=chat_command)
 
+
+def _add_export(commands) -> None:
     export = commands.add_parser(
         "export", help="export an adapter or a merged model, checked, optionally pushed to the Hub",
         description="Write the adapter (PEFT, safetensors) or, with --merge, the model with the adapter merged into "
@@ -155,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="register the export as a new version of NAME in the MLflow model registry (the "
                         "store the run was tracked in, else MLFLOW_TRACKING_URI, else mlflow.db in the workspace)")
     export.set_defaults(command=export_command)
+
+
+def _add_eval(commands) -> None:
     evaluate = commands.add_parser(
         "eval", help="evaluate trained models side by side: loss, generated answers and their metrics",
         description="For each TARGET: loss and perplexity on --data with the template and masks of training, greedy "
@@ -185,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a folder of lm-evaluation-harness task YAML files")
     evaluate.add_argument("--out", help="also write each target's results and answers here")
     evaluate.set_defaults(command=eval_command)
+
+
+def _add_ui(commands) -> None:
     ui = commands.add_parser(
         "ui", help="start the web panel (launch runs, watch them, chat, export)",
         description="Start the Gradio panel on http://127.0.0.1:PORT. Runs it launches keep going when it closes.",
@@ -195,7 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--share", action="store_true", help="also open a public Gradio share link (needs --auth)")
     ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed beyond 127.0.0.1)")
     ui.set_defaults(command=ui_command)
-    return parser
 
 
 def doctor_command(args) -> int:
@@ -212,7 +237,7 @@ def doctor_command(args) -> int:
 
 def estimate_command(args) -> int:
     from finetune.models.loading import model_config
-    from finetune.recipe import memory_plan
+    from finetune.recipe import devices, memory_plan
     from finetune.recipe.schema import load_recipe
     from finetune.resources import find_accelerate_config
 
@@ -229,7 +254,7 @@ def estimate_command(args) -> int:
     if on_cpu and args.device != "cpu":
         print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
               "(a10, h100, 48GB, ...) to plan for it", flush=True)
-    device = memory_plan.device_named(args.gpu) if args.gpu else memory_plan.this_machine(cpu=on_cpu)
+    device = devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
     shape = memory_plan.model_shape(model_config(recipe), recipe)
     plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
     print(memory_plan.describe(plan, args.recipe))
@@ -240,19 +265,19 @@ def estimate_command(args) -> int:
 
 def _probe(args, recipe, shape) -> None:
     """Two real training steps here, their measured peak beside this machine's plan."""
-    from finetune.recipe import memory_plan
+    from finetune.recipe import devices, memory_plan
     from finetune.recipe.train_section import trains_on_cpu
     from finetune.training.probe import PROBE_STEPS, probe
 
-    here = memory_plan.this_machine(trains_on_cpu(recipe.train))
+    here = devices.this_machine(trains_on_cpu(recipe.train))
     alone = memory_plan.launch_of(None, 1)
     local = memory_plan.plan(recipe, shape, here, alone, memory_plan.micro_batch_of(recipe, here, alone, shape))
     print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
           f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
     measured = probe(args.recipe, args.overrides)
     planned, what = local.measurable(), "torch.cuda.max_memory_allocated" if here.cuda else "peak resident memory"
-    print(f"Probe: measured {memory_plan.format_bytes(measured)} ({what}), planned "
-          f"{memory_plan.format_bytes(planned)}: the plan is {(planned - measured) / measured:+.1%} off")
+    print(f"Probe: measured {devices.format_bytes(measured)} ({what}), planned "
+          f"{devices.format_bytes(planned)}: the plan is {(planned - measured) / measured:+.1%} off")
 
 
 def validate_command(args) -> int:

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+from pathlib import Path
 from urllib.parse import urlparse
 
 from finetune.errors import UserError
@@ -79,3 +80,20 @@ def _cached(name: str, kind: str) -> bool:
         return any(repo.repo_id == name and repo.repo_type == kind for repo in scan_cache_dir().repos)
     except CacheNotFound:
         return False
+
+
+def cached_repo_id(folder: Path) -> str | None:
+    """The Hub id of the model whose cached snapshot `folder` is (HF_CACHE/models--OWNER--NAME/snapshots/REVISION),
+    as huggingface_hub's own cache scan reads it; None for a folder outside a Hugging Face cache."""
+    from huggingface_hub import CacheNotFound, CorruptedCacheException, scan_cache_dir
+
+    folder = folder.resolve()
+    if folder.parent.name != "snapshots" or len(folder.parents) < 3:
+        return None
+    try:
+        repos = scan_cache_dir(folder.parents[2]).repos
+    except (CacheNotFound, CorruptedCacheException):
+        return None
+    return next((repo.repo_id for repo in repos if repo.repo_type == "model"
+                 for revision in repo.revisions if revision.snapshot_path == folder), None)
+

@@ -177,7 +177,7 @@ def test_ddp_looks_for_unused_parameters_only_where_a_step_can_leave_some_withou
     """Unsloth skips GPT-OSS experts that no token reached: DDP must expect their missing gradients. Elsewhere the
     search is off (it costs a pass over the graph each step), and a recipe's own setting wins."""
     from finetune.recipe.schema import load_recipe
-    from finetune.training.run import unused_parameter_search
+    from finetune.training.arguments import unused_parameter_search
 
     recipe = load_recipe("quickstart")
     assert unused_parameter_search(recipe, "unsloth", "gpt_oss") == \

@@ -66,7 +66,7 @@ def trained(models, greetings, tmp_path_factory):
                 "train", "quickstart", f"model.name_or_path={models[architecture]}", f"data.train={greetings}",
                 f"method={method}", "data.eval_fraction=0", "train.eval_on_start=false", f"train.max_steps={steps}",
                 f"train.learning_rate={learning_rate}", f"train.per_device_train_batch_size={batch}",
-                "train.max_length=128", "train.save_steps=2", "train.logging_steps=2", f"output_dir={run}",
+                "train.max_length=128", f"train.save_steps={steps}", "train.logging_steps=2", f"output_dir={run}",
                 "train.lr_scheduler_type=constant_with_warmup",  # the rate these steps were chosen with
             )
             assert result.returncode == 0, result.stderr[-3000:]
@@ -228,7 +228,7 @@ def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(
 
 
 def test_a_local_base_is_named_by_its_hub_origin(tmp_path):
-    from finetune.trained.export import base_origin
+    from finetune.trained.model_card import base_origin
 
     cached = tmp_path / "hub" / "models--meta-llama--Llama-3.2-3B-Instruct" / "snapshots" / "abc123"
     cached.mkdir(parents=True)

@@ -57,29 +57,28 @@ def test_bad_input_is_one_message_exit_2_and_no_run_folder(tmp_path, recipe, ove
     assert not (tmp_path / "run").exists()
 
 
-def test_validate_reports_bad_input_the_same_way(tmp_path):
+def test_validate_reports_bad_input_the_same_way(tmp_path, capsys):
     path = write_recipe(tmp_path, "model: {name_or_path: builtin:tiny-llama}\ndata: {train: builtin:greetings}\n")
-    result = run_cli("validate", str(path), "lora.rnak=8")
-    assert result.returncode == 2 and result.stderr == (
-        "error: override 'lora.rnak=8': unknown key 'lora.rnak'; did you mean 'lora.r'?\n"
-    )
+    code, _, err = cli_here(capsys, "validate", str(path), "lora.rnak=8")
+    assert code == 2 and err == "error: override 'lora.rnak=8': unknown key 'lora.rnak'; did you mean 'lora.r'?\n"
 
 
-def test_an_existing_run_is_refused_by_train_and_reported_by_validate(tmp_path):
+def test_an_existing_run_is_refused_by_train_and_reported_by_validate(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "progress.jsonl").write_text('{"step": 10, "loss": 1.0}\n{"status": "completed", "step": 10}\n')
-    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}")
-    assert result.returncode == 2 and "already exists and is not empty: continue that run with --resume" in result.stderr
-    report = run_cli("validate", "quickstart", f"output_dir={tmp_path / 'run'}", "train.max_length=128")
-    assert report.returncode == 0, report.stderr
+    code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={tmp_path / 'run'}")
+    assert code == 2 and "already exists and is not empty: continue that run with --resume" in err
+    code, out, err = cli_here(capsys, "validate", "quickstart", f"output_dir={tmp_path / 'run'}", "train.max_length=128")
+    assert code == 0, err
     assert f"note: output_dir {tmp_path / 'run'} holds a run already; `finetune train` continues it with --resume" \
-        in report.stdout and "OK: the recipe and its data are valid." in report.stdout
+        in out and "OK: the recipe and its data are valid." in out
 
 
-def test_unknown_accelerate_config(tmp_path):
-    result = run_cli("train", "quickstart", "--accelerate-config", "ddp_9gpu", f"output_dir={tmp_path / 'run'}")
-    assert result.returncode == 2 and "accelerate config 'ddp_9gpu' not found" in result.stderr
-    assert "cpu_ddp_2proc, ddp_8gpu, ddp_8xa10, ddp_8xh100, deepspeed_zero3_8gpu" in result.stderr
+def test_unknown_accelerate_config(tmp_path, capsys):
+    code, _, err = cli_here(capsys, "train", "quickstart", "--accelerate-config", "ddp_9gpu",
+                            f"output_dir={tmp_path / 'run'}")
+    assert code == 2 and "accelerate config 'ddp_9gpu' not found" in err
+    assert "cpu_ddp_2proc, ddp_8gpu, ddp_8xa10, ddp_8xh100, deepspeed_zero3_8gpu" in err
 
 
 def test_options_and_overrides_go_where_they_belong(tmp_path):

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from finetune.data import pipeline
+from finetune.data import encoding, pipeline
 from finetune.data.pipeline import prepare
 from finetune.errors import UserError
 from finetune.recipe.schema import load_recipe
@@ -136,8 +136,8 @@ def test_parallel_preparation_is_the_same_and_says_how_far_it_is(tmp_path, monke
                                                          {"role": "assistant", "content": r["answer"]}]}) + "\n"
                                 for r in map(json.loads, list(rows)[:2500])), encoding="utf-8")
     template = training_template(llama_tokenizer, llama_tokenizer.chat_template)
-    monkeypatch.setattr(pipeline, "PROGRESS_EVERY_S", 0.5)
-    monkeypatch.setattr(pipeline, "RATE_AFTER_S", 0.1)
+    monkeypatch.setattr(encoding, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(encoding, "RATE_AFTER_S", 0.1)
     prepared = {}
     for processes in (1, 2):
         recipe = recipe_for(tmp_path, data, f"data.num_proc={processes}", "train.max_length=512",

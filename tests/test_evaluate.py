@@ -14,7 +14,7 @@ from tests.conftest import REPO, asset, run_cli
 
 
 def test_gsm8k_answers_extract_to_the_number_after_the_marks():
-    from finetune.recipe.schema import DataSection
+    from finetune.recipe.sections import DataSection
     from finetune.trained.evaluate import extract_answer, load_examples, score_answers
 
     path = asset("datasets/gsm8k/test.jsonl")

@@ -9,7 +9,7 @@ import pytest
 
 from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
-from finetune.recipe import memory_plan
+from finetune.recipe import devices, memory_plan
 from finetune.recipe.schema import load_recipe
 from tests.conftest import run_cli, write_recipe
 
@@ -81,15 +81,15 @@ def test_plan_follows_the_recipe(tmp_path):
         key = (recipe.method, recipe.model.backend)
         shape_of.setdefault(key, memory_plan.model_shape(gpt_oss_20b(), recipe))
         launch = memory_plan.Launch(processes, sharded, "test")
-        return memory_plan.plan(recipe, shape_of[key], memory_plan.device_named(device), launch, 1).total()
+        return memory_plan.plan(recipe, shape_of[key], devices.device_named(device), launch, 1).total()
 
     plain = total()
-    assert total("train.gradient_checkpointing=false") > plain + 20 * memory_plan.GIB  # eager scores of 24 layers
+    assert total("train.gradient_checkpointing=false") > plain + 20 * devices.GIB  # eager scores of 24 layers
     assert total("train.optim=adamw_8bit") < plain
     assert total(processes=8) > plain  # DDP's gradient buckets
-    assert total(processes=8, sharded=True) < plain - 30 * memory_plan.GIB  # 7/8 of 39 GiB of weights
+    assert total(processes=8, sharded=True) < plain - 30 * devices.GIB  # 7/8 of 39 GiB of weights
     assert total("model.attn_implementation=flash_attention_2") < plain
-    assert total("train.loss_type=nll") > plain + 7 * memory_plan.GIB  # 4096 x 201088 logits, 10 bytes each
+    assert total("train.loss_type=nll") > plain + 7 * devices.GIB  # 4096 x 201088 logits, 10 bytes each
 
 
 def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_float32(tmp_path):
@@ -98,7 +98,7 @@ def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_flo
     def activations(*overrides):
         recipe = recipe_for(tmp_path, "method=qlora", "model.backend=unsloth", "train.max_length=2048", *overrides)
         planned = memory_plan.plan(recipe, memory_plan.model_shape(gpt_oss_20b(), recipe),
-                                   memory_plan.device_named("a10"), memory_plan.Launch(1, False, "test"), 1)
+                                   devices.device_named("a10"), memory_plan.Launch(1, False, "test"), 1)
         return next(line for line in planned.lines if line.what == "activations").per_row
 
     bf16, fp32 = activations(), activations("train.bf16=false", "train.fp16=false")
@@ -111,18 +111,18 @@ def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
                         "train.max_length=2048", "method=qlora")
     shape = memory_plan.model_shape(llama_3_2_3b(), recipe)
     launch = memory_plan.Launch(2, False, "DDP on 2 processes")
-    card = memory_plan.device_named("a10")
+    card = devices.device_named("a10")
     fits = memory_plan.plan(recipe, shape, card, launch, 1).largest_micro_batch
     assert fits >= 8
     assert memory_plan.micro_batch_of(recipe, card, launch, shape) == 8  # all 8 rows a process takes, at once
     # a card where 3 rows fit: 3 does not divide the 8 rows per process, so 2 rows x 4 accumulation steps
     three = memory_plan.plan(recipe, shape, card, launch, 3).total() + 1
-    small = memory_plan.Device("a small card", int(three), cuda=True)
+    small = devices.Device("a small card", int(three), cuda=True)
     assert memory_plan.plan(recipe, shape, small, launch, 1).largest_micro_batch == 3
     micro = memory_plan.micro_batch_of(recipe, small, launch, shape)
     assert (micro, recipe.batch_split(2, micro)) == (2, (2, 4))
     assert micro * recipe.batch_split(2, micro)[1] * 2 == 16
-    tiny = memory_plan.Device("a tiny card", 4 * memory_plan.GIB, cuda=True)
+    tiny = devices.Device("a tiny card", 4 * devices.GIB, cuda=True)
     with pytest.raises(UserError, match="not one row of 2048 tokens fits on a tiny card"):
         memory_plan.micro_batch_of(recipe, tiny, launch, shape)
 

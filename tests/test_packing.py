@@ -76,7 +76,7 @@ def test_unsloth_and_flash_attention_take_each_micro_batch_as_one_row(backend, f
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from finetune.recipe.schema import load_recipe
-    from finetune.training.run import runtime_arguments
+    from finetune.training.arguments import runtime_arguments
 
     recipe = load_recipe("quickstart")
     padding_free = runtime_arguments(recipe, types.SimpleNamespace(eval=None), flash, backend, "llama")["padding_free"]

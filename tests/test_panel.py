@@ -129,7 +129,7 @@ def test_workspace_accepts_names_not_paths(tmp_path):
 def test_panel_launches_and_resumes_with_ray_and_shows_the_mlflow_run(tmp_path):
     """Ray Train where the extra is installed: the launch command, and a resume launched the same way."""
     pytest.importorskip("ray")
-    from finetune.ui.app import _status_card
+    from finetune.ui.live_tab import status_card
     from finetune.ui.workspace import Workspace
 
     workspace = Workspace(tmp_path)
@@ -149,25 +149,46 @@ def test_panel_launches_and_resumes_with_ray_and_shows_the_mlflow_run(tmp_path):
     workspace.launch = lambda command, name, resuming=False: resumed.append(command)  # not started: its command
     workspace.resume("r1")
     assert resumed[0][-5:] == ["--resume", "--engine", "ray", "--num-workers", "2"]
-    card = _status_card(workspace.run("r1"))
+    card = status_card(workspace.run("r1"))
     assert "MLflow run `abc123` · open it with `mlflow ui --backend-store-uri sqlite:///x/mlflow.db`" in card
 
 
-def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
+def test_train_tab_validates_previews_and_plans_without_launching(tmp_path):
+    """The Train tab's handlers, called as the page calls them: each check runs the CLI's, nothing starts."""
+    from finetune.ui import train_tab
+    from finetune.ui.workspace import FIELDS as LABELS
+    from finetune.ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path / "ws")
+    workspace.create()  # as `finetune ui` does
+
+    def form(run_name="r1", launch_with=train_tab.ONE_PROCESS, learning_rate=FIELDS[2], extra=LONG_RUN):
+        values = [*FIELDS[:2], learning_rate, *FIELDS[3:]]
+        return train_tab.Form("quickstart", launch_with, run_name, dict(zip(LABELS, values)), extra)
+
+    bad = train_tab.validate(workspace, form(learning_rate="fast"))
+    assert not bad.ok and "train.learning_rate" in bad.message and "**learning rate**" in bad.field_error
+    ok = train_tab.validate(workspace, form())
+    assert ok.ok and ok.message == "✓ The recipe and its data are valid." and "builtin:greetings" in ok.report
+    unnamed = train_tab.validate(workspace, form(run_name=""))
+    assert f"output_dir: {workspace.root / 'runs' / 'run-'}" in unnamed.report  # an empty name: a fresh one
+    garbled = train_tab.validate(workspace, form(extra="train.max_steps 2"))
+    assert garbled.message == "⚠ more settings: 'train.max_steps 2' is not key=value"
+
+    command = train_tab.preview(workspace, form(launch_with="cpu_ddp_2proc")).split(" \\\n    ")
+    assert command[0] == f"finetune train {workspace.recipe_path('quickstart')}"
+    assert "train.learning_rate=0.001" in command and command[-1] == "--accelerate-config cpu_ddp_2proc"
+    plan = train_tab.plan_memory(workspace, form(launch_with="cpu_ddp_2proc"), "a10")
+    assert "on NVIDIA A10 24 GB, DDP on 2 processes" in plan and "DDP gradient buckets" in plan and ": fits" in plan
+    assert "Largest micro-batch that fits at max_length" in plan
+    assert not any(workspace.runs.iterdir()) and not any(workspace.launches.iterdir())
+
+
+def test_a_launched_run_outlives_the_panel_stops_and_resumes_through_gradio_client(tmp_path):
     workspace = tmp_path / "ws"
     panel = Panel(workspace)
     try:
         api = panel.client
-        bad = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS[:2], "fast", *FIELDS[3:], "",
-                          api_name="/validate")
-        assert "train.learning_rate" in bad[1] and "**learning rate**" in bad[2]
-        ok = api.predict("quickstart", "one process (finetune train)", "r1", *FIELDS, LONG_RUN, api_name="/validate")
-        assert ok[1] == "✓ The recipe and its data are valid." and "builtin:greetings" in ok[0]
-        unnamed = api.predict("quickstart", "one process (finetune train)", "", *FIELDS, LONG_RUN, api_name="/validate")
-        assert f"output_dir: {workspace / 'runs' / 'run-'}" in unnamed[0]  # an empty name: a fresh one
-        plan = api.predict("quickstart", "cpu_ddp_2proc", "a10", "r1", *FIELDS, LONG_RUN, api_name="/plan")
-        assert "on NVIDIA A10 24 GB, DDP on 2 processes" in plan and "DDP gradient buckets" in plan and ": fits" in plan
-        assert "Largest micro-batch that fits at max_length" in plan
         launched = api.predict("quickstart", "cpu_ddp_2proc", "r1", *FIELDS, LONG_RUN, api_name="/launch")
         assert "Launched **r1**" in launched[1]
         assert launched[4] == ""  # the next Launch takes a fresh name
@@ -192,16 +213,10 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         rows = (workspace / "runs" / "r1" / "progress.jsonl").read_text().splitlines()
         assert '"status": "stopped"' in rows[-1]
 
-        tuned, base, _, notice = api.predict("My name is Bob.", "r1", "final", "", 1.0, 24, True, [], [],
-                                             api_name="/chat")
-        assert notice == ""
-        for history in (tuned, base):
-            assert [m["role"] for m in history] == ["user", "assistant"]
-        # sampled at temperature 1 from a run of a few steps, whose first token may be the end of the turn
-        assert any(history[1]["content"][0]["text"].strip() for history in (tuned, base))
+        # Two chat models loaded (the stopped run's and its base) make room for the resumed run.
+        tuned, base, _, notice = api.predict("Hi.", "r1", "final", "", 1.0, 16, True, [], [], api_name="/chat")
+        assert notice == "" and [m["role"] for m in tuned] == [m["role"] for m in base] == ["user", "assistant"]
         assert len(chat_workers(panel)) == 2
-
-        # Resume: the chat models make room for the run, which goes on from its checkpoint.
         resumed = api.predict("r1", api_name="/resume")
         assert "Resumed from its newest complete checkpoint (unloaded 2 chat models)" in resumed
         assert chat_workers(panel) == []
@@ -210,13 +225,6 @@ def test_launch_watch_stop_restart_and_chat_through_gradio_client(tmp_path):
         assert "r1 · stopped" in api.predict("r1", api_name="/stop")
         progress = [json.loads(line) for line in (workspace / "runs" / "r1" / "progress.jsonl").read_text().splitlines()]
         assert [row["resumed"]["from"] for row in progress if "resumed" in row] == [f"checkpoint-{step}"]
-
-        exported, token_line = api.predict("r1", "final", "r1-bf16", False, "bf16", "", True, api_name="/export")
-        assert "exported the model to" in exported and "checked: logits within" in exported
-        assert (workspace / "exports" / "r1-bf16" / "model.safetensors").is_file()
-        assert token_line.startswith("Hub token:")
-        refused, _ = api.predict("r1", "final", "../outside", False, "bf16", "", True, api_name="/export")
-        assert "export name '../outside'" in refused and not (workspace / "outside").exists()
     finally:
         panel.close()
         subprocess.run(["pkill", "-f", str(workspace)])  # a run left by a failed check would train on for minutes
@@ -326,33 +334,65 @@ def test_browser_launches_a_run_and_sees_the_loss_plot(tmp_path):
     assert (ARTIFACTS / "panel-live.png").stat().st_size > 10_000
 
 
-def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_workspace, tmp_path):
+@pytest.fixture(scope="module")
+def quickstart_panel(quickstart_workspace, tmp_path_factory):
+    """A panel over a workspace holding a copy of the quickstart's run (its tests write into the run and exports/)."""
+    assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
+    root = tmp_path_factory.mktemp("quickstart-panel")
+    shutil.copytree(quickstart_workspace.run, root / "runs" / "quickstart")
+    panel = Panel(root)
+    yield root, panel.client
+    panel.close()
+
+
+def test_chat_answers_as_trained_beside_the_base_model(quickstart_panel):
+    _, api = quickstart_panel
+    tuned, base, kept, notice = api.predict("My name is Zorbel.", "quickstart", "final", "", 0.0, 48, True, [], [],
+                                            api_name="/chat")
+    assert notice == "" and kept == ""
+    assert [m["role"] for m in tuned] == [m["role"] for m in base] == ["user", "assistant"]
+    assert said(tuned[1]) == "Nice to meet you, Zorbel!"  # greedy: the trained answer, exactly
+    assert said(base[1]) != said(tuned[1])  # the base model's random weights never learned it
+
+
+def said(message: dict) -> str:
+    """A chat message's text as the Gradio client hands it back: a string or a list of typed parts."""
+    from finetune.ui.chat_tab import message_text
+
+    return message_text(message["content"])
+
+
+def test_export_through_the_panel_writes_a_checked_model(quickstart_panel):
+    root, api = quickstart_panel
+    exported, token_line = api.predict("quickstart", "final", "qs-bf16", False, "bf16", "", True, api_name="/export")
+    assert "exported the model to" in exported and "checked: logits within" in exported
+    assert (root / "exports" / "qs-bf16" / "model.safetensors").is_file()
+    assert token_line.startswith("Hub token:")
+    refused, _ = api.predict("quickstart", "final", "../outside", False, "bf16", "", True, api_name="/export")
+    assert "export name '../outside'" in refused and not (root / "outside").exists()
+
+
+def test_panel_evaluates_models_side_by_side_and_shows_samples(quickstart_panel):
     """The quickstart's run in a panel's workspace: its Live tab shows the answers of the last two evaluations, and
     the Evaluate tab puts the trained model beside its base on unseen names."""
-    assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
-    run = tmp_path / "runs" / "quickstart"  # a copy: the evaluation's results go into the run folder
-    shutil.copytree(quickstart_workspace.run, run)
-    panel = Panel(tmp_path)
-    try:
-        api = panel.client
-        samples = api.predict("quickstart", api_name="/progress")[3]
-        steps = [int(row["step"]) for row in map(json.loads, (run / "progress.jsonl").read_text().splitlines())
-                 if "samples" in row]
-        assert samples["headers"] == ["prompt", "reference", f"step {steps[-1]}", f"step {steps[-2]}"]
-        assert len(samples["data"]) == 4 and all(row[1] == row[2] for row in samples["data"])
+    root, api = quickstart_panel
+    run = root / "runs" / "quickstart"
+    samples = api.predict("quickstart", api_name="/progress")[3]
+    steps = [int(row["step"]) for row in map(json.loads, (run / "progress.jsonl").read_text().splitlines())
+             if "samples" in row]
+    assert samples["headers"] == ["prompt", "reference", f"step {steps[-1]}", f"step {steps[-2]}"]
+    assert len(samples["data"]) == 4 and all(row[1] == row[2] for row in samples["data"])
 
-        message, table, answers = api.predict(["quickstart", "base:quickstart"], "builtin:unseen-names",
-                                              ["exact_match", "rouge_l"], 48, 20, api_name="/evaluate")
-        assert message == "Evaluated 2 models on 20 examples."
-        assert table["headers"] == ["metric", "quickstart", "base:quickstart"]
-        rows = {row[0]: row[1:] for row in table["data"]}
-        assert set(rows) == {"loss", "perplexity", "exact_match", "rouge_l", "stop_rate", "mean_length"}
-        assert rows["exact_match"][1] == "0.0%" and float(rows["exact_match"][0].rstrip("%")) >= 90
-        assert rows["stop_rate"] == ["100.0%", "0.0%"]
-        assert answers["headers"] == ["prompt", "reference", "quickstart", "base:quickstart"]
-        first = answers["data"][0]
-        assert first[0].startswith("My name is ") and first[2] == first[1] and first[3].endswith(" …")
-        refused = api.predict(["../x"], "builtin:unseen-names", ["exact_match"], 32, 5, api_name="/evaluate")
-        assert refused[0].startswith("⚠ run name '..': use letters")
-    finally:
-        panel.close()
+    message, table, answers = api.predict(["quickstart", "base:quickstart"], "builtin:unseen-names",
+                                          ["exact_match", "rouge_l"], 48, 20, api_name="/evaluate")
+    assert message == "Evaluated 2 models on 20 examples."
+    assert table["headers"] == ["metric", "quickstart", "base:quickstart"]
+    rows = {row[0]: row[1:] for row in table["data"]}
+    assert set(rows) == {"loss", "perplexity", "exact_match", "rouge_l", "stop_rate", "mean_length"}
+    assert rows["exact_match"][1] == "0.0%" and float(rows["exact_match"][0].rstrip("%")) >= 90
+    assert rows["stop_rate"] == ["100.0%", "0.0%"]
+    assert answers["headers"] == ["prompt", "reference", "quickstart", "base:quickstart"]
+    first = answers["data"][0]
+    assert first[0].startswith("My name is ") and first[2] == first[1] and first[3].endswith(" …")
+    refused = api.predict(["../x"], "builtin:unseen-names", ["exact_match"], 32, 5, api_name="/evaluate")
+    assert refused[0].startswith("⚠ run name '..': use letters")

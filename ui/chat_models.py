@@ -76,3 +76,8 @@ class ChatModels:
 
     def _close(self, key) -> None:
         self._loaded.pop(key).worker.close()
+
+
+def unloaded_note(count: int, why: str = "") -> str:
+    """What the user reads when models were unloaded for a run: ` (unloaded 2 chat models)`, or nothing."""
+    return f" (unloaded {count} chat model{'s' if count > 1 else ''}{why})" if count else ""

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -33,6 +32,7 @@ import yaml
 from finetune import run_folder
 from finetune.resources import accelerate_configs_dir, recipes_dir
 from finetune.training.launcher import group_alive, process_tree, send, send_group, start_time
+from finetune.ui.run_info import RunInfo
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FIELDS = {  # the recipe keys the Train tab edits, by label
@@ -56,49 +56,6 @@ EXPORT_TIMEOUT_S = 3 * 3600  # a merged 20B model is loaded twice (merged, then 
 
 class PanelError(Exception):
     """A request the panel refuses, with the reason to show."""
-
-
-@dataclass
-class RunInfo:
-    name: str
-    status: str  # starting | running | completed | stopped | failed
-    rows: list[dict]
-    started: float | None
-
-    resumable: bool = False  # stopped or failed, with a complete checkpoint to continue from
-
-    @property
-    def train_rows(self) -> list[dict]:
-        return run_folder.training_rows(self.rows)
-
-    @property
-    def samples(self) -> list[dict]:
-        """The answers to held-out prompts at the last two evaluations (eval.samples): prompt, reference, and the
-        answer at each step, newest first."""
-        evaluations = [row for row in self.rows if "samples" in row][-2:][::-1]
-        table = []
-        for evaluation in evaluations:
-            for index, sample in enumerate(evaluation["samples"]):
-                if index == len(table):
-                    table.append({"prompt": sample["prompt"], "reference": sample["reference"]})
-                table[index][f"step {evaluation['step']}"] = sample["answer"] + ("" if sample["stopped"] else " …")
-        return table
-
-    @property
-    def last(self) -> dict:
-        return self.train_rows[-1] if self.train_rows else {}
-
-    @property
-    def duration_s(self) -> float | None:
-        timed = [row for row in self.rows if "elapsed_s" in row]
-        return timed[-1]["elapsed_s"] if timed else None
-
-    @property
-    def eta_s(self) -> float | None:
-        last = self.last
-        if self.status != "running" or not last.get("total_steps") or not last.get("step"):
-            return None
-        return last["elapsed_s"] / last["step"] * (last["total_steps"] - last["step"])
 
 
 class Workspace:
@@ -242,6 +199,9 @@ class Workspace:
         names |= {path.stem for path in self.launches.glob("*.json") if NAME.match(path.stem)}
         infos = [self.run(name) for name in names]
         return sorted(infos, key=lambda info: info.started or 0, reverse=True)
+
+    def run_names(self) -> list[str]:
+        return [info.name for info in self.runs_list()]
 
     def run(self, name: str) -> RunInfo:
         folder = self.run_folder(name)

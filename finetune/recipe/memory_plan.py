@@ -12,23 +12,11 @@ its probabilities); `benchmarks/memory.py` checks the totals against measured pe
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from finetune.errors import UserError
+from finetune.recipe.devices import MIB, Device, format_bytes
 
-GIB = 1024**3
-MIB = 1024**2
-
-# Memory a CUDA process can use on each card (what torch reports as total_memory), in GiB.
-GPUS = {
-    "a10": ("NVIDIA A10 24 GB", 22.1),
-    "l4": ("NVIDIA L4 24 GB", 22.0),
-    "a100-40": ("NVIDIA A100 40 GB", 39.4),
-    "a100-80": ("NVIDIA A100 80 GB", 79.2),
-    "h100": ("NVIDIA H100 80 GB", 79.1),
-    "h200": ("NVIDIA H200 141 GB", 139.8),
-}
 CUDA_CONTEXT = 600 * MIB  # the CUDA context and kernels of torch, cuBLAS and NCCL: outside torch's own counters
 ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out (fragmentation), of the tensors
 # A CPU training process without the model: Python with torch, transformers, TRL and PEFT, the data, and the
@@ -49,47 +37,6 @@ OPTIMIZER_BYTES = {
 PAGED = "paged"  # bitsandbytes' paged optimizers move their state to CPU memory when the GPU runs short
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 absmax (double quant)
 LOSS_CHUNK = 256  # TRL's chunked_nll: tokens whose logits exist at once
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    capacity: int  # bytes
-    cuda: bool
-
-
-def device_named(text: str) -> Device:
-    """`a10`, `h100`, ... (see GPUS), `<N>GB` or `<N>GiB` for another card, or `cpu` for this machine's memory."""
-    key = text.strip().lower()
-    if key == "cpu":
-        return Device(f"this machine's memory ({_total_ram() / GIB:.1f} GiB)", _total_ram(), cuda=False)
-    if key in GPUS:
-        name, gib = GPUS[key]
-        return Device(name, int(gib * GIB), cuda=True)
-    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib)", key)
-    if size:
-        amount = float(size.group(1)) * (GIB if size.group(2) == "gib" else 1e9)
-        return Device(f"a {text.strip()} GPU", int(amount), cuda=True)
-    raise UserError(f"--gpu {text!r}: name a card ({', '.join(GPUS)}), a size such as 48GB, or use --device cpu")
-
-
-def this_machine(cpu: bool) -> Device:
-    """This machine's first GPU, or its memory when training on the CPU."""
-    if cpu:
-        return device_named("cpu")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UserError("this machine has no CUDA GPU to plan for: name the card with --gpu (e.g. --gpu A10, "
-                        "--gpu H100, --gpu 48GB), or plan for training on this CPU with --device cpu")
-    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return Device(f"{properties.name} ({properties.total_memory / GIB:.1f} GiB)", properties.total_memory, cuda=True)
-
-
-def _total_ram() -> int:
-    import psutil
-
-    return psutil.virtual_memory().total
 
 
 @dataclass(frozen=True)
@@ -449,7 +396,3 @@ def count(parameters: int) -> str:
         if parameters >= size:
             return f"{parameters / size:,.{2 if unit == 'B' else 1}f}{unit}"
     return f"{parameters:,}"
-
-
-def format_bytes(value: float) -> str:
-    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.0f} MiB"

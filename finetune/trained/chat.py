@@ -91,36 +91,20 @@ class Chat:
     def stream(self, messages: list[dict], sampling: Sampling = Sampling()) -> Iterator[Piece | Reply]:
         """Pieces of the reply as they are generated, then the whole Reply."""
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import StoppingCriteriaList
+
+        from finetune.trained.streaming import FinalMessageEnd, TokenQueue
 
         prompt = torch.tensor([self.prompt_ids(messages)], device=self.model.device)
-        tokens: queue.Queue = queue.Queue()
-
-        class Streamer:  # generate hands over the prompt first, then each new token
-            prompt_seen = False
-
-            def put(self, value):
-                if self.prompt_seen:
-                    tokens.put(value.reshape(-1).tolist())
-                self.prompt_seen = True
-
-            def end(self):
-                tokens.put(None)
-
-        chat = self
-
-        class FinalMessageEnd(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                done = chat._ended_by(input_ids[0, prompt.shape[1]:].tolist()) is not None
-                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
+        streamer = TokenQueue()
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         settings = dict(
             input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=sampling.max_new_tokens,
             do_sample=sampling.temperature > 0, eos_token_id=sorted(self.end_ids),
-            pad_token_id=self.tokenizer.pad_token_id, streamer=Streamer(),
-            stopping_criteria=StoppingCriteriaList([FinalMessageEnd()] if self.harmony else []),
+            pad_token_id=self.tokenizer.pad_token_id, streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self._ended_by, prompt.shape[1])]
+                                                   if self.harmony else []),
         )
         if sampling.temperature > 0:
             settings.update(temperature=sampling.temperature, top_p=sampling.top_p)
@@ -132,13 +116,13 @@ class Chat:
                     self.model.generate(**settings)
             except BaseException as error:  # handed to the reading side
                 failure.append(error)
-                tokens.put(None)
+                streamer.end()
 
         worker = threading.Thread(target=generate, daemon=True)
         worker.start()
         generated: list[int] = []
         shown = Reply()
-        while (new := tokens.get()) is not None:
+        while (new := streamer.queue.get()) is not None:
             generated.extend(new)
             current = self._parse(generated, final=False)
             for kind in ("thinking", "answer"):
@@ -162,19 +146,11 @@ class Chat:
         `synced`: every process of a process group generates, and each goes on until all are done (a sharded
         model gathers its weights in every forward, on every process)."""
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import StoppingCriteriaList
+
+        from finetune.trained.streaming import FinalMessageEnd
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.end_ids)
-        chat = self
-
-        class FinalMessageEnd(StoppingCriteria):  # per row: GPT-OSS's <|end|> closes a final message only
-            def __init__(self, width: int):
-                self.width = width
-
-            def __call__(self, input_ids, scores, **kwargs):
-                return torch.tensor([chat._ended_by(row[self.width:].tolist()) is not None for row in input_ids],
-                                    dtype=torch.bool, device=input_ids.device)
-
         replies = []
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
@@ -185,7 +161,8 @@ class Chat:
                 output = self.model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                     eos_token_id=sorted(self.end_ids), pad_token_id=pad, use_cache=True, synced_gpus=synced,
-                    stopping_criteria=StoppingCriteriaList([FinalMessageEnd(width)] if self.harmony else []),
+                    stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self._ended_by, width)]
+                                                           if self.harmony else []),
                 )
             for row in output[:, width:].tolist():
                 replies.append(self._parse(self._through_end(row), final=True))

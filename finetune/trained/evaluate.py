@@ -26,6 +26,7 @@ from typing import Any
 
 from finetune.answers import check_extraction, extract_answer
 from finetune.errors import UserError
+from finetune.trained import harness
 
 BASE_PREFIX = "base:"
 METRICS = ("exact_match", "contains", "rouge_l", "bleu")
@@ -273,38 +274,6 @@ def mean_loss(model, renderer, examples: list[Example], max_length: int, batch_s
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
-# lm-evaluation-harness.
-SHIPPED_TASKS = Path(__file__).parents[1] / "eval_tasks"
-
-
-def run_tasks(chat, tasks: list[str], include: list[str], batch_size: int, limit: int | None) -> dict[str, float]:
-    """lm-evaluation-harness tasks on the loaded model (the base with the adapter on it), through its Python API,
-    prompted through the chat template. Tasks are found among lm-eval's own, the toolkit's (eval_tasks/) and the
-    folders in `include`. {task/metric: value}."""
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise UserError("--tasks needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
-    manager = TaskManager(include_path=[str(SHIPPED_TASKS), *include], verbosity="ERROR")
-    unknown = [task for task in tasks if task not in manager.all_tasks]
-    if unknown:
-        raise UserError(f"--tasks {unknown[0]}: lm-evaluation-harness knows no such task; add the folder of its "
-                        "YAML definition with --include-tasks")
-    lm = HFLM(pretrained=chat.model, tokenizer=chat.tokenizer, batch_size=batch_size)
-    output = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                     apply_chat_template=bool(chat.tokenizer.chat_template), log_samples=False,
-                                     verbosity="ERROR")
-    scores = {}
-    for task, values in output["results"].items():
-        for key, value in values.items():
-            metric, _, _filter = key.partition(",")
-            if isinstance(value, (int, float)) and not metric.endswith("_stderr") and metric != "sample_len":
-                scores[f"{task}/{metric}" + (f" ({_filter})" if _filter not in ("", "none") else "")] = value
-    return scores
-
-
 # The command.
 @dataclass
 class Settings:
@@ -359,7 +328,7 @@ def evaluate_one(target: Target, examples: list[Example], settings: Settings) ->
                                  settings.batch_size))
         answers = answer_rows(chat, examples, settings.max_new_tokens, settings.batch_size)
         metrics.update(score_answers(answers, settings.metrics, settings.extract))
-    tasks = run_tasks(chat, settings.tasks, settings.include_tasks, settings.batch_size, settings.limit) \
+    tasks = harness.run_tasks(chat, settings.tasks, settings.include_tasks, settings.batch_size, settings.limit) \
         if settings.tasks else {}
     return Result(target.spec, target.label, metrics, answers, tasks)
 

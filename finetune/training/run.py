@@ -24,11 +24,12 @@ from finetune.data.report import describe_data
 from finetune.errors import RunFailed, UserError
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
-from finetune.recipe import memory_plan, rewards
+from finetune.recipe import devices, memory_plan, rewards
 from finetune.recipe.schema import load_recipe
 from finetune.recipe.train_section import trains_on_cpu
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder
 from finetune.training import faults, preflight, trainers
+from finetune.training.arguments import flattens_packed_rows, runtime_arguments, unused_parameter_search
 from finetune.training.callbacks import ProgressCallback, SamplesCallback
 from finetune.training.resuming import ResumePoint
 from finetune.training.signals import StopRequest
@@ -339,7 +340,7 @@ def _batch_split(recipe, state) -> tuple[int, int]:
         return recipe.batch_split(state.num_processes)
     from accelerate.utils import DistributedType
 
-    device = memory_plan.this_machine(trains_on_cpu(recipe.train))
+    device = devices.this_machine(trains_on_cpu(recipe.train))
     sharded = state.distributed_type == DistributedType.FSDP or (
         state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3)
     launch = memory_plan.Launch(state.num_processes, sharded, f"{state.num_processes} processes")
@@ -351,52 +352,8 @@ def _batch_split(recipe, state) -> tuple[int, int]:
     if state.is_main_process:
         fitted = memory_plan.plan(recipe, shape, device, launch, micro)
         print(f"micro-batch auto: {micro} rows of {fitted.max_length} tokens per process (planned "
-              f"{fitted.total() / memory_plan.GIB:.1f} of {device.capacity / memory_plan.GIB:.1f} GiB on "
+              f"{fitted.total() / devices.GIB:.1f} of {device.capacity / devices.GIB:.1f} GiB on "
               f"{device.name}; up to {fitted.largest_micro_batch} fit) x {accumulation} accumulation steps x "
               f"{state.num_processes} process{'es' if state.num_processes > 1 else ''} = global batch "
               f"{micro * accumulation * state.num_processes}", flush=True)
     return micro, accumulation
-
-
-def flattens_packed_rows(recipe, flash: bool, backend: str) -> bool:
-    """Whether each micro-batch of packed rows reaches the model as one row (TRL's padding-free collator, positions
-    restarting at each example) rather than as rows of a batch (PackedRowsCollator's block-diagonal masks).
-    FlashAttention's variable-length kernels take the one row. So does Unsloth, which keeps packed examples apart
-    only in a batch of one row (it finds their boundaries from position_ids there, and runs plain causal attention
-    over each whole row of a larger batch)."""
-    return bool(recipe.train.get("packing", False)) and (flash or backend == "unsloth")
-
-
-def unused_parameter_search(recipe, backend: str, model_type: str) -> tuple[bool, str]:
-    """Whether DDP looks for parameters that got no gradient in a step (a pass over the graph each step), and the
-    launch line that says so."""
-    if "ddp_find_unused_parameters" in recipe.train:
-        search = bool(recipe.train["ddp_find_unused_parameters"])
-        return search, f"DDP unused-parameter search: {'on' if search else 'off'} (train.ddp_find_unused_parameters)"
-    if backend == "unsloth" and model_type == "gpt_oss":
-        # Unsloth runs each expert on its own and skips those no token reached; their weights and adapters then
-        # get no gradient, which DDP must be told to expect (Unsloth's own default for MoE models)
-        return True, "DDP unused-parameter search: on (GPT-OSS under Unsloth: experts no token reached get no gradient)"
-    return False, "DDP unused-parameter search: off (every trainable parameter gets a gradient in every step)"
-
-
-def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) -> dict:
-    """SFTConfig values that depend on this machine, model and data rather than on the recipe."""
-    arguments = {
-        # Our data is already tokenized, truncated and packed: TRL only batches it (see flattens_packed_rows).
-        "packing": False,
-        "padding_free": flattens_packed_rows(recipe, flash, backend),
-        "max_length": None,  # SFT, DPO and KTO: the pipeline truncated (and counted) what was too long
-        "use_cpu": trains_on_cpu(recipe.train),
-        "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
-        "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run
-    }
-    if recipe.train.get("use_liger_kernel") and model_type == "gpt_oss":
-        # GPT-OSS's experts gate with a clamped, offset SwiGLU that Liger's kernel does not compute
-        arguments["liger_kernel_config"] = {**(recipe.train.get("liger_kernel_config") or {}), "swiglu": False}
-    if backend == "unsloth":
-        arguments["gradient_checkpointing"] = False  # Unsloth checkpoints its own way (set when loading)
-    if data.eval is not None and "eval_strategy" not in recipe.train:
-        arguments["eval_strategy"] = "steps" if "eval_steps" in recipe.train else "epoch"
-    return arguments
-

@@ -107,12 +107,12 @@ class MlflowTracking:
             self.client.log_batch(self.run_id, params=params[start:start + 100], synchronous=True)
 
     def _log_model(self, final: Path) -> None:
-        from finetune.trained import export, saved_model
+        from finetune.trained import model_card, saved_model
 
         with tempfile.TemporaryDirectory() as folder:
             model = Path(folder) / "model"
             shutil.copytree(final, model)
-            export.write_card(saved_model.locate(final), model, self.run_folder.path.name, merged=False)
+            model_card.write_card(saved_model.locate(final), model, self.run_folder.path.name, merged=False)
             self.client.log_artifacts(self.run_id, str(model), "model")
 
 
