@@ -95,7 +95,7 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
     here = devices.this_machine(cpu=not torch.cuda.is_available())
     plan = memory_plan.plan(loaded, memory_plan.model_shape(model_config(loaded), loaded), here,
                             memory_plan.launch_of(None, 1), 1)
-    measured = probe(recipe, overrides)
+    measured = probe(recipe, overrides).peak
     return {"planned": plan.measurable(), "measured": measured}
 
 

@@ -10,6 +10,7 @@ import sys
 
 from finetune.errors import UserError
 from finetune.model_commands import chat_command, eval_command, export_command, ui_command
+from finetune.plan_commands import estimate_command
 from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
@@ -106,10 +107,12 @@ def _add_validate(commands) -> None:
 def _add_estimate(commands) -> None:
     estimate = _recipe_command(
         commands, "estimate", estimate_command,
-        "plan the memory of a recipe per device before launch: fits or not, and the largest micro-batch",
+        "plan a recipe before launch: memory per device (fits or not, the largest micro-batch), time and cost",
         "Count what each device holds while the recipe trains (weights, adapter and optimizer state, DDP buckets, "
         "activations, loss, CUDA context) from the model's configuration, without loading weights; compare it "
-        "with the card and find the largest micro-batch that fits at the recipe's max_length.",
+        "with the card and find the largest micro-batch that fits at the recipe's max_length. Then plan the run's "
+        "time from the FLOPs of its prepared data and the card's speed (assumed, or measured with --probe), and its "
+        "cost.",
     )
     where = estimate.add_mutually_exclusive_group()
     where.add_argument("--gpu", help="the card: a10, l4, a100-40, a100-80, h100, h200, or a size such as 48GB "
@@ -119,8 +122,16 @@ def _add_estimate(commands) -> None:
     estimate.add_argument("--accelerate-config", metavar="NAME",
                           help="the launch (DDP replicates the model on each GPU; FSDP and ZeRO-3 shard it)")
     estimate.add_argument("--probe", action="store_true",
-                          help="also run two real training steps with the recipe's longest batch here, and print "
-                          "the measured peak beside the plan")
+                          help="also run two real training steps with the recipe's longest batch here, print the "
+                          "measured peak beside the plan, and plan the time from their measured speed")
+    estimate.add_argument("--tokens", type=int, metavar="N",
+                          help="plan the time for N training tokens per epoch instead of the prepared data")
+    estimate.add_argument("--price-per-gpu-hour", type=float, metavar="USD", help="what one GPU costs per hour")
+    estimate.add_argument("--prices", metavar="FILE",
+                          help="a YAML file of prices per GPU-hour by card (a10: 1.10, h100: 3.50, ...)")
+    estimate.add_argument("--compare", metavar="LAUNCHES",
+                          help="one row per launch, CARDxCOUNT comma-separated (e.g. a10x8,h100x8,h200x1): fits, "
+                          "micro-batch, step time, tokens/s, run time and cost")
 
 
 def _add_doctor(commands) -> None:
@@ -235,51 +246,6 @@ def doctor_command(args) -> int:
     return 0
 
 
-def estimate_command(args) -> int:
-    from finetune.models.loading import model_config
-    from finetune.recipe import devices, memory_plan
-    from finetune.recipe.schema import load_recipe
-    from finetune.resources import find_accelerate_config
-
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise UserError("--num-gpus must be at least 1")
-    if args.probe:
-        from finetune.models import backends
-
-        backends.import_first(args.recipe, args.overrides)  # the probe trains: Unsloth, if used, loads first
-    recipe = load_recipe(args.recipe, args.overrides)
-    settings = _launch_settings(find_accelerate_config(args.accelerate_config)) if args.accelerate_config else None
-    launch = memory_plan.launch_of(settings, args.num_gpus)
-    on_cpu = args.device == "cpu" or (not args.gpu and not _has_cuda())
-    if on_cpu and args.device != "cpu":
-        print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
-              "(a10, h100, 48GB, ...) to plan for it", flush=True)
-    device = devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
-    shape = memory_plan.model_shape(model_config(recipe), recipe)
-    plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
-    print(memory_plan.describe(plan, args.recipe))
-    if args.probe:
-        _probe(args, recipe, shape)
-    return 0
-
-
-def _probe(args, recipe, shape) -> None:
-    """Two real training steps here, their measured peak beside this machine's plan."""
-    from finetune.recipe import devices, memory_plan
-    from finetune.recipe.train_section import trains_on_cpu
-    from finetune.training.probe import PROBE_STEPS, probe
-
-    here = devices.this_machine(trains_on_cpu(recipe.train))
-    alone = memory_plan.launch_of(None, 1)
-    local = memory_plan.plan(recipe, shape, here, alone, memory_plan.micro_batch_of(recipe, here, alone, shape))
-    print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
-          f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
-    measured = probe(args.recipe, args.overrides)
-    planned, what = local.measurable(), "torch.cuda.max_memory_allocated" if here.cuda else "peak resident memory"
-    print(f"Probe: measured {devices.format_bytes(measured)} ({what}), planned "
-          f"{devices.format_bytes(planned)}: the plan is {(planned - measured) / measured:+.1%} off")
-
-
 def validate_command(args) -> int:
     recipe, report = _check(args.recipe, args.overrides, validating=True)
     from finetune.data.report import describe_data
@@ -304,11 +270,12 @@ def train_command(args) -> int:
 
         run(args.recipe, args.overrides, resume)
         return 0
+    from finetune.recipe.yaml_files import accelerate_settings
     from finetune.resources import find_accelerate_config
     from finetune.training import launcher
 
     config = find_accelerate_config(args.accelerate_config)
-    recipe, _ = _check(args.recipe, args.overrides, resume, _launch_settings(config))  # leaves the data cached
+    recipe, _ = _check(args.recipe, args.overrides, resume, accelerate_settings(config))  # leaves the data cached
     resume_arguments = [] if not resume else ["--resume"] if resume is True else ["--resume", resume]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "-m", "finetune.train", args.recipe, *args.overrides, *resume_arguments]
@@ -356,21 +323,6 @@ def _check(recipe_path: str, overrides: list[str], resume: bool | str = False, l
         for note in checked.notes:
             print(f"note: {note}", flush=True)
     return recipe, checked.data.report
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _launch_settings(accelerate_config) -> dict:
-    """What the accelerate config says about the processes it starts (num_processes, distributed_type)."""
-    if accelerate_config is None:
-        return {}
-    from finetune.recipe.yaml_files import read_mapping
-
-    return read_mapping(accelerate_config, "accelerate config", "distributed_type:, num_processes:, ...")
 
 
 def _indent(text: str) -> str:

@@ -1,10 +1,11 @@
-"""The benchmark script runs end to end (at a tiny size: its figures are for the closing note, not for asserts)."""
+"""The benchmark scripts run end to end (at a tiny size: their figures are for the closing note, not for asserts)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,17 +14,19 @@ from tests.conftest import REPO, asset
 pytestmark = pytest.mark.integration
 
 
-def test_throughput_script_runs_all_ways(tmp_path):
+def benchmark(script: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, object]:
+    """`python benchmarks/SCRIPT ARGS --json OUT` on the shared Llama 3.2 tokenizer and GSM8K: (its run, its JSON)."""
     asset("tokenizers/llama-3.2-instruct")
     asset("datasets/gsm8k/train.jsonl")
-    out = tmp_path / "results.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--size", "tiny", "--steps", "1", "--warmup", "0",
-         "--rows", "64", "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--json", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    return result, json.loads(out.read_text()) if out.is_file() else None
+
+
+def test_throughput_script_runs_all_ways(tmp_path):
+    result, results = benchmark("throughput.py", tmp_path / "results.json", "--size", "tiny", "--steps", "1",
+                                "--warmup", "0", "--rows", "64")
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
     assert [r["way"] for r in results] == ["plain TRL defaults", "TRL packing", "finetune defaults",
                                            "finetune, method=full"]
     assert all(r["real_tokens"] > 0 and 0 < r["real_fraction"] <= 1 for r in results)
@@ -31,17 +34,20 @@ def test_throughput_script_runs_all_ways(tmp_path):
     assert "vs plain TRL" in result.stdout
 
 
+def test_time_plan_script_puts_the_planned_run_time_beside_the_measured(tmp_path):
+    result, results = benchmark("time_plan.py", tmp_path / "results.json", "--cases", "bench-lora-512", "--size",
+                                "tiny", "--steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [case] = results
+    assert case["case"] == "bench-lora-512" and case["planned_s"] > 0 and case["measured_s"] > 0
+    assert case["speed"].startswith("measured: ") and "--probe: " in case["speed"]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("bench-lora-512"))
+    assert f"off {case['off']:+.1%}" in line and "target: within 20%" in result.stdout
+
 
 def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
-    asset("tokenizers/llama-3.2-instruct")
-    asset("datasets/gsm8k/train.jsonl")
-    out = tmp_path / "memory.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--sizes", "tiny", "--lengths", "128",
-         "--methods", "lora-fp32", "--checkpointing", "on", "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
-    [case] = json.loads(out.read_text())
+    result, [case] = benchmark("memory.py", tmp_path / "memory.json", "--sizes", "tiny", "--lengths", "128",
+                               "--methods", "lora-fp32", "--checkpointing", "on")
     assert result.returncode == (0 if case["within"] else 1), result.stderr[-3000:]  # 1: a case off its target
     assert case["planned"] > 0 and case["measured"] > 0
     row = next(line.split() for line in result.stdout.splitlines() if line.startswith("tiny"))
@@ -49,16 +55,9 @@ def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
 
 
 def test_generation_script_gives_the_same_answers_batched(tmp_path):
-    asset("tokenizers/llama-3.2-instruct")
-    asset("datasets/gsm8k/train.jsonl")
-    out = tmp_path / "generation.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--size", "tiny", "--prompts", "6",
-         "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
+    result, results = benchmark("generation.py", tmp_path / "generation.json", "--size", "tiny", "--prompts", "6",
+                                "--batch-size", "4", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
     assert results["same_answers"] is True and results["generated_tokens"] == 6 * 8
     assert results["one_at_a_time_s"] > 0 and results["batch_4_s"] > 0
     assert f"speedup: {results['one_at_a_time_s']:.2f} / {results['batch_4_s']:.2f} = {results['speedup']}x; " \

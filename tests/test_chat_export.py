@@ -114,14 +114,14 @@ def logits(model, inputs):
 
 @pytest.mark.parametrize("architecture, method", [("llama", "lora"), ("llama", "qlora"), ("gpt-oss", "lora"),
                                                   ("gpt-oss", "qlora")])
-def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp_path, architecture, method):
+def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp_path, architecture, method, capsys):
     from finetune.trained.chat import Chat
 
     run = trained(architecture, method)
     out = tmp_path / "export"
-    result = run_cli("export", str(run / "final"), "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "checked: logits identical to the trained model's" in result.stdout
+    code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(out))
+    assert code == 0, err[-3000:]
+    assert "checked: logits identical to the trained model's" in printed
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "chat_template.jinja",
             "generation_config.json", "README.md", "finetune.yaml"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(models[architecture])
@@ -138,7 +138,7 @@ def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt-oss"])
-def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_path, architecture):
+def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_path, architecture, capsys):
     """GPT-OSS's merge includes the adapters on the expert weights (target_parameters)."""
     import torch
 
@@ -146,8 +146,8 @@ def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_
 
     run = trained(architecture, "lora")
     out = tmp_path / "merged"
-    result = run_cli("export", str(run / "final"), "--out", str(out), "--merge", "--dtype", "fp32")
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, err = cli_here(capsys, "export", str(run / "final"), "--out", str(out), "--merge", "--dtype", "fp32")
+    assert code == 0, err[-3000:]
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     plain = plain_model(out)
     ours = Chat(run / "final").model
@@ -156,14 +156,14 @@ def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_
     assert torch.allclose(logits(plain, inputs), logits(ours, inputs), atol=1e-4)
 
 
-def test_qlora_adapter_merges_into_a_16_bit_base(trained, tmp_path):
+def test_qlora_adapter_merges_into_a_16_bit_base(trained, tmp_path, capsys):
     from safetensors import safe_open
 
     run = trained("llama", "qlora")
     out = tmp_path / "merged"
-    result = run_cli("export", str(run / "final"), "--out", str(out), "--merge")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "exported the merged model" in result.stdout and "logits within 0.05 of the largest" in result.stdout
+    code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(out), "--merge")
+    assert code == 0, err[-3000:]
+    assert "exported the merged model" in printed and "logits within 0.05 of the largest" in printed
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     with safe_open(out / "model.safetensors", "pt") as weights:
@@ -247,23 +247,24 @@ def test_a_local_base_is_named_by_its_hub_origin(tmp_path):
     assert base_origin("builtin:tiny-llama") == "builtin:tiny-llama"
 
 
-def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path):
+def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path, capsys):
     """Rounding to bf16 can flip the router's choice at a near tie and move one position's logits far; the check
     tolerates a few such positions, not a broken export."""
-    result = run_cli("export", str(trained("gpt-oss", "full") / "final"), "--out", str(tmp_path / "bf16"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "exported the model to" in result.stdout and "positions" in result.stdout
+    code, printed, err = cli_here(capsys, "export", str(trained("gpt-oss", "full") / "final"), "--out",
+                                  str(tmp_path / "bf16"))
+    assert code == 0, err[-3000:]
+    assert "exported the model to" in printed and "positions" in printed
 
 
-def test_chat_stops_at_the_end_token_it_learned(trained):
+def test_chat_stops_at_the_end_token_it_learned(trained, capsys):
     from finetune.trained.chat import Chat, Sampling
 
     run = trained("llama", "lora")
     reply = Chat(run / "final").reply(PROMPT, Sampling(max_new_tokens=40, temperature=0))
     assert reply.answer == "Hi!" and reply.ended_by == "<|eot_id|>" and len(reply.token_ids) < 40
-    result = run_cli("chat", str(run), "--prompt", "I am zed.", "--temperature", "0")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout == "Hi!\n"
+    code, printed, err = cli_here(capsys, "chat", str(run), "--prompt", "I am zed.", "--temperature", "0")
+    assert code == 0, err[-3000:]
+    assert printed == "Hi!\n"
 
 
 def test_gpt_oss_chat_shows_reasoning_apart_and_stops_at_return(trained):

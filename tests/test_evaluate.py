@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, asset, run_cli
+from tests.conftest import REPO, asset, cli_here, run_cli
 
 
 def test_gsm8k_answers_extract_to_the_number_after_the_marks():
@@ -68,7 +68,7 @@ NO_END_TEMPLATE = "{%- generation -%}{{- message.content -}}{%- endgeneration -%
 
 
 @pytest.mark.integration
-def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path):
+def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path, capsys):
     """The same short training twice: once with ChatML as is, once with a template whose trained span (its
     {% generation %} block) leaves out <|im_end|>, a fault some templates have. Samples at every evaluation show it
     while training; `finetune eval` measures it after."""
@@ -113,9 +113,9 @@ def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path):
         "samples/step-000000.json", "samples/step-000075.json", "samples/step-000150.json"]
     assert [m.value for m in client.get_metric_history(mlflow_run.info.run_id, "samples_stop_rate")][-1] == 1.0
 
-    result = run_cli("eval", str(runs["with_end"]), str(runs["without_end"]), "--data", str(held_out),
-                     "--max-new-tokens", "32")
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, err = cli_here(capsys, "eval", str(runs["with_end"]), str(runs["without_end"]), "--data", str(held_out),
+                            "--max-new-tokens", "32")
+    assert code == 0, err[-3000:]
     scores = {name: json.loads((run / "eval" / "final-held-out.json").read_text())["metrics"]
               for name, run in runs.items()}
     assert scores["with_end"]["stop_rate"] >= 0.9, scores

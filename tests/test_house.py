@@ -18,8 +18,8 @@ WINGS = [
     ("recipe", ["finetune.recipe"]),
     ("trained model", ["finetune.trained"]),
     ("training", ["finetune.training"]),
-    ("commands and panel", ["finetune.cli", "finetune.model_commands", "finetune.train", "finetune.__main__",
-                            "finetune.doctor", "finetune.ui", "finetune.eval_tasks"]),
+    ("commands and panel", ["finetune.cli", "finetune.plan_commands", "finetune.model_commands", "finetune.train",
+                            "finetune.__main__", "finetune.doctor", "finetune.ui", "finetune.eval_tasks"]),
 ]
 
 

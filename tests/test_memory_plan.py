@@ -4,6 +4,7 @@ the `auto` micro-batch that keeps the global batch, and the probe beside it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
 from finetune.recipe import devices, memory_plan
 from finetune.recipe.schema import load_recipe
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import REPO, run_cli, write_recipe
 
 HUB_MODELS = {
     "unsloth/Llama-3.2-3B-Instruct": llama_3_2_3b,
@@ -67,6 +68,16 @@ def test_shipped_recipes_on_their_hardware(hub_cache):
     assert ": does not fit" in on_a10 and "Not even one row of 2048 tokens fits: shard the model" in on_a10
     on_h100 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "h100", "--accelerate-config", "ddp_8xh100")
     assert ": fits" in on_h100 and "eager attention" in on_h100 and "MXFP4 experts dequantized" in on_h100
+
+    # the README's comparison: one row per launch, the cost from the user's prices
+    prices = hub_cache["HF_HUB_CACHE"] + "/../prices.yaml"
+    Path(prices).write_text("a10: 1.10\nh100: 3.50\nh200: 4.00\n")
+    command = next(line for line in (REPO / "README.md").read_text().splitlines()
+                   if line.startswith("finetune estimate") and "--compare " in line)
+    compared = estimate(hub_cache, *command.split()[2:-1], prices)
+    rows = {line.split()[0]: line.split() for line in compared.splitlines()
+            if line.split()[:1] in (["a10x8"], ["h100x8"], ["h200x1"])}
+    assert len(rows) == 3 and all(row[1] == "yes" and row[-1].startswith("$") for row in rows.values())
 
     # FSDP shards the bf16 weights over the 8 cards, and then the 20B model fits on A10s
     sharded = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "fsdp2_8gpu")
@@ -147,8 +158,9 @@ def test_probe_measures_beside_the_plan():
     result = run_cli("estimate", "quickstart", "--probe")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("No CUDA GPU here: the plan is for this machine's CPU and memory")
-    probe = result.stdout.strip().splitlines()[-1]
-    assert probe.startswith("Probe: measured ") and "(peak resident memory), planned " in probe
+    probe = next(line for line in result.stdout.splitlines() if line.startswith("Probe: measured "))
+    assert "(peak resident memory), planned " in probe
+    assert "speed             measured: " in result.stdout and "--probe: " in result.stdout  # the time plan follows it
     # counts in units that fit a small model; the probe's scratch run says nothing of its own
     assert "624.5K parameters, fp32" in result.stdout and "0.00B" not in result.stdout
     assert "completed:" not in result.stdout and "finetune-probe-" not in result.stdout

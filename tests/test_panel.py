@@ -181,6 +181,7 @@ def test_train_tab_validates_previews_and_plans_without_launching(tmp_path):
     plan = train_tab.plan_memory(workspace, form(launch_with="cpu_ddp_2proc"), "a10")
     assert "on NVIDIA A10 24 GB, DDP on 2 processes" in plan and "DDP gradient buckets" in plan and ": fits" in plan
     assert "Largest micro-batch that fits at max_length" in plan
+    assert "Time plan: " in plan and "on 2 processes" in plan and "DDP: all-reduce of " in plan
     assert not any(workspace.runs.iterdir()) and not any(workspace.launches.iterdir())
 
 

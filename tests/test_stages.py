@@ -89,20 +89,20 @@ def test_dpo_from_an_sft_adapter_raises_the_margin_and_accuracy(color_runs):
     assert not (color_runs.dpo / "final" / "ref").exists()
 
 
-def test_dpo_run_chats_exports_and_evaluates(color_runs, tmp_path):
+def test_dpo_run_chats_exports_and_evaluates(color_runs, tmp_path, capsys, monkeypatch):
     """The DPO model answers blue where the SFT model picks either; its export says how it was trained."""
-    answer = run_cli("chat", str(color_runs.dpo), "--prompt", "Pick a color.", "--temperature", "0",
-                     cwd=color_runs.folder)
-    assert answer.returncode == 0 and answer.stdout.strip().endswith("blue"), answer.stderr[-2000:]
-    result = run_cli("eval", str(color_runs.dpo), str(color_runs.sft), "--data", "prefs.jsonl", "--limit", "24",
-                     cwd=color_runs.folder)
-    assert result.returncode == 0, result.stderr[-2000:]
-    exact = next(line for line in result.stdout.splitlines() if line.startswith("| exact_match |"))
+    monkeypatch.chdir(color_runs.folder)
+    code, answer, err = cli_here(capsys, "chat", str(color_runs.dpo), "--prompt", "Pick a color.", "--temperature", "0")
+    assert code == 0 and answer.strip().endswith("blue"), err[-2000:]
+    code, table, err = cli_here(capsys, "eval", str(color_runs.dpo), str(color_runs.sft), "--data", "prefs.jsonl",
+                                "--limit", "24")
+    assert code == 0, err[-2000:]
+    exact = next(line for line in table.splitlines() if line.startswith("| exact_match |"))
     dpo, sft = (float(cell.split("%")[0]) for cell in exact.split("|")[2:4])  # the chosen answer is the reference
     assert dpo == 100.0 and sft < 90.0, exact
     out = tmp_path / "export"
-    result = run_cli("export", str(color_runs.dpo / "final"), "--out", str(out), cwd=color_runs.folder)
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, _, err = cli_here(capsys, "export", str(color_runs.dpo / "final"), "--out", str(out))
+    assert code == 0, err[-2000:]
     card = (out / "README.md").read_text()
     assert "TRL's `DPOTrainer`" in card and "| stage | dpo (beta 0.1" in card and "- dpo" in card
     assert (out / "adapter_model.safetensors").is_file() and not (out / "ref").exists()

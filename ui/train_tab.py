@@ -163,9 +163,9 @@ def build(app: gr.Blocks, workspace: Workspace, models: ChatModels, live_run: gr
     field_errors = gr.Markdown(elem_classes="field-error")
     command_view = gr.Code(label="Command", language="shell", interactive=False, lines=3, max_lines=12)
     with gr.Row():
-        gpu = gr.Dropdown(GPU_CHOICES, value=THIS_CPU, label="Plan memory for", scale=1)
-        plan_button = gr.Button("Plan memory", scale=1)
-    memory = gr.Code(label="Memory plan per device (finetune estimate)", language=None, interactive=False,
+        gpu = gr.Dropdown(GPU_CHOICES, value=THIS_CPU, label="Plan for", scale=1)
+        plan_button = gr.Button("Plan memory, time and cost", scale=1)
+    memory = gr.Code(label="Memory per device, then time and cost (finetune estimate)", language=None, interactive=False,
                      lines=6, max_lines=20)
     with gr.Accordion("Validation report", open=False) as report:
         validation = gr.Code(label="Validation", language="yaml", interactive=False, lines=8, max_lines=30)

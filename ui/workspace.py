@@ -147,7 +147,7 @@ class Workspace:
         return result.returncode == 0, (result.stdout if result.returncode == 0 else result.stderr).strip()
 
     def estimate(self, recipe: str, overrides: list[str], launch_with: str | None, gpu: str | None) -> str:
-        """`finetune estimate` in a child process: the memory plan's table, or its error message."""
+        """`finetune estimate` in a child process: the memory plan, then the time and cost plan, or its error."""
         command = [sys.executable, "-m", "finetune", "estimate", str(self.recipe_path(recipe)), *overrides,
                    *(["--gpu", gpu] if gpu else ["--device", "cpu"])]
         launch = self._launch_options(launch_with)

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from finetune.errors import UserError
+from finetune.resources import find_accelerate_config
 
 MERGE = "tag:yaml.org,2002:merge"
 
@@ -58,3 +59,11 @@ def read_mapping(path: Path, what: str, hint: str) -> dict[str, Any]:
         kind = "a list" if isinstance(raw, list) else f"the value {raw!r}"
         raise UserError(f"{path}: a {what} is a mapping of keys ({hint}), not {kind}")
     return raw
+
+
+def accelerate_settings(config: str | Path | None) -> dict:
+    """What an accelerate config (a file, or a shipped config's name; None: none) says about the processes it
+    starts (num_processes, distributed_type, ...)."""
+    if config is None:
+        return {}
+    return read_mapping(find_accelerate_config(config), "accelerate config", "distributed_type:, num_processes:, ...")

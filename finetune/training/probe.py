@@ -1,4 +1,5 @@
-"""Measure what a plan predicts: real training steps, and the peak memory they reach on this machine.
+"""Measure what a plan predicts: real training steps, the peak memory they reach on this machine and how fast the
+last of them runs.
 
 On a GPU the peak is torch's `max_memory_allocated` (the plan's tensors, without the CUDA context and the
 allocator's slack); on the CPU it is the process's peak resident memory (the plan's total), counted from the start
@@ -11,6 +12,8 @@ import contextlib
 import io
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
@@ -52,17 +55,43 @@ class PeakMemory(TrainerCallback):
         self.peak = max(self.peak, torch.cuda.max_memory_allocated() if self.cuda else _resident_peak())
 
 
-def probe(recipe_path: str, overrides: list[str]) -> int:
-    """Train PROBE_STEPS steps of the recipe (the longest batch comes first) in a scratch folder; the peak (bytes)."""
+class StepSpeed(TrainerCallback):
+    """The last step's seconds and tokens (TRL's cumulative num_tokens, logged at every step)."""
+
+    def __init__(self):
+        self.started = self.seconds = 0.0
+        self.tokens_before = self.tokens = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds = time.perf_counter() - self.started
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "num_tokens" in logs:
+            seen = int(logs["num_tokens"])
+            self.tokens, self.tokens_before = seen - self.tokens_before, seen
+
+
+@dataclass(frozen=True)
+class Probed:
+    peak: int  # bytes
+    step_s: float  # the last step, after the first warmed up
+    tokens: int  # of that step
+
+
+def probe(recipe_path: str, overrides: list[str]) -> Probed:
+    """Train PROBE_STEPS steps of the recipe (the longest batch comes first) in a scratch folder."""
     from finetune.training.run import run
 
-    meter = PeakMemory()
+    meter, speed = PeakMemory(), StepSpeed()
     scratch = tempfile.mkdtemp(prefix="finetune-probe-")
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the run's report and status: of a scratch run, soon gone
             run(recipe_path, [*overrides, f"output_dir={scratch}/run", f"train.max_steps={PROBE_STEPS}",
                               "train.save_strategy=no", "train.eval_strategy=no", "train.eval_on_start=false",
-                              "train.report_to=none"], callbacks=(meter,))
+                              "train.report_to=none", "train.logging_steps=1"], callbacks=(meter, speed))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return meter.peak
+    return Probed(meter.peak, speed.seconds, speed.tokens)

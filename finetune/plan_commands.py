@@ -1,0 +1,228 @@
+"""`finetune estimate`: the memory plan per device, then the time and cost plan of the run, for one launch or, with
+--compare, for several side by side. `cli.py` defines its options."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import statistics
+from pathlib import Path
+
+from finetune.errors import UserError
+from finetune.recipe import devices, flops, memory_plan, time_plan
+
+TOKENS_SOURCE = "from --tokens: rows of max_length, every token carrying loss"
+COMPARE = re.compile(r"^(?P<card>[a-z0-9-]+)x(?P<count>\d+)$")
+
+
+def estimate_command(args) -> int:
+    from finetune.models.loading import model_config
+    from finetune.recipe.schema import load_recipe
+    from finetune.recipe.yaml_files import accelerate_settings
+
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise UserError("--num-gpus must be at least 1")
+    launches = _compared(args.compare) if args.compare else None
+    prices = _prices(args)
+    if args.probe:
+        from finetune.models import backends
+
+        backends.import_first(args.recipe, args.overrides)  # the probe trains: Unsloth, if used, loads first
+    recipe = load_recipe(args.recipe, args.overrides)
+    launch = memory_plan.launch_of(accelerate_settings(args.accelerate_config), args.num_gpus)
+    on_cpu = args.device == "cpu" or (not args.gpu and not _has_cuda())
+    if on_cpu and args.device != "cpu" and not launches:
+        print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
+              "(a10, h100, 48GB, ...) to plan for it", flush=True)
+    config = model_config(recipe)
+    shape = memory_plan.model_shape(config, recipe)
+    work = _work(recipe, args.tokens)
+    if launches:
+        print(_comparison(recipe, shape, flops.layout_of(config), work, launches, prices))
+        return 0
+    device = devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
+    plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
+    print(memory_plan.describe(plan, args.recipe))
+    speed = time_plan.assumed_speed(device, _backend(recipe, device))
+    if args.probe:
+        speed = _probe(args, recipe, shape, flops.layout_of(config), work) or speed
+    elif not args.gpu and launch.processes == 1 and not isinstance(work, str):
+        speed = _past_run_speed(recipe, shape, flops.layout_of(config), work[0]) or speed
+    print()
+    if isinstance(work, str):
+        print(f"Time and cost: not planned: {work}")
+    elif speed is None:
+        print("Time and cost: not planned: this machine's speed is not in the table of cards; --probe measures "
+              "it here, or name a card with --gpu")
+    else:
+        epoch, rows, evaluation, source = work
+        timed = time_plan.plan_time(recipe, shape, flops.layout_of(config), epoch, rows, evaluation, device, launch,
+                                    plan.micro_batch, speed)
+        print(describe_time(timed, work, prices.get(args.gpu or "", args.price_per_gpu_hour), recipe.method))
+    return 0
+
+
+def _work(recipe, tokens: int | None):
+    """(one epoch of the training set, its rows, the eval set, where they come from): from the prepared data, or
+    from --tokens N as rows of max_length tokens that all carry loss; a sentence saying why not when the data
+    cannot be prepared here."""
+    max_length = int(recipe.train["max_length"])
+    if tokens:
+        rows = max(tokens // max_length, 1)
+        return flops.Work(rows * max_length, rows * max_length, (max_length,) * rows), rows, None, TOKENS_SOURCE
+    from finetune.data.pipeline import prepare
+    from finetune.models.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(recipe)
+        data = prepare(recipe, tokenizer, tokenizer.chat_template)
+    except (UserError, OSError) as error:
+        return f"{error} (--tokens N plans from a token count instead)"
+    evaluation = _rows_work(data.eval) if data.eval is not None else None
+    return _rows_work(data.train), len(data.train), evaluation, "counted from the prepared data"
+
+
+def _rows_work(table) -> flops.Work:
+    packed = "seq_lengths" in table.column_names
+    return flops.Work.of_rows(table["input_ids"], table["labels"], table["seq_lengths"] if packed else None)
+
+
+def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, method: str) -> str:
+    epoch, rows, _, source = work
+    per_device = timed.tokens_per_s / timed.processes
+    run = timed.flops
+    rule = "6N" if method == "full" else "4N"
+    lines = [
+        f"Time plan: {timed.steps:,} steps over {epoch.tokens:,} tokens per epoch in {rows:,} rows "
+        f"({source}; {epoch.trained_tokens:,} carry loss)",
+        f"  FLOPs             {run.total:.3g} in all (counted: forward {run.forward:.3g}, backward {run.backward:.3g}, "
+        f"recompute {run.recompute:.3g}); {run.per_token:.3g} per token, where the {rule} rule of thumb says "
+        f"{run.rule_of_thumb / run.tokens:.3g}",
+        f"  speed             {timed.speed.source}",
+        f"  step              {_seconds(timed.step_s)} (compute {_seconds(timed.compute_s)}, communication "
+        f"{_seconds(timed.communication_s)})",
+        f"  tokens/s          {per_device:,.0f} per device, {timed.tokens_per_s:,.0f} in all",
+        f"  evaluations       {_seconds(timed.evaluation_s)}",
+        *[f"  {note}" for note in timed.notes],
+        f"  run time          {_duration(timed.total_s)}",
+    ]
+    if price is not None:
+        gpus = f"{timed.processes} GPU{'s' if timed.processes > 1 else ''}"
+        lines.append(f"  cost              ${timed.cost(price):,.2f} ({gpus} x {_duration(timed.total_s)} at "
+                     f"${price:,.2f} per GPU-hour)")
+    return "\n".join(lines)
+
+
+def _comparison(recipe, shape, layout, work, launches, prices) -> str:
+    if isinstance(work, str):
+        raise UserError(f"--compare needs the data: {work}")
+    epoch, rows, evaluation, _ = work
+    lines = [f"{'launch':<12} {'fits':<5} {'micro-batch':>11} {'step':>9} {'tokens/s':>10} {'run time':>9} "
+             f"{'cost':>10}"]
+    for card, count in launches:
+        device = devices.device_named(card)
+        launch = memory_plan.launch_of(None, count)
+        try:
+            micro = memory_plan.micro_batch_of(recipe, device, launch, shape)
+            fits = memory_plan.plan(recipe, shape, device, launch, micro).verdict != "does not fit"
+        except UserError:  # an `auto` micro-batch that not one row fits
+            fits = False
+        if not fits:
+            lines.append(f"{f'{card}x{count}':<12} {'no':<5} {'–':>11} {'–':>9} {'–':>10} {'–':>9} {'–':>10}")
+            continue
+        speed = time_plan.assumed_speed(device, _backend(recipe, device))
+        timed = time_plan.plan_time(recipe, shape, layout, epoch, rows, evaluation, device, launch, micro, speed)
+        price = prices.get(card)
+        cost = f"${timed.cost(price):,.2f}" if price is not None else "–"
+        lines.append(f"{f'{card}x{count}':<12} {'yes':<5} {micro:>11} {_seconds(timed.step_s):>9} "
+                     f"{timed.tokens_per_s:>10,.0f} {_duration(timed.total_s):>9} {cost:>10}")
+    shares = ", ".join(f"{backend} {share:.0%}" for backend, share in time_plan.ASSUMED_MFU.items())
+    lines.append(f"Speeds assumed: {shares} of each card's dense bf16 peak by backend; "
+                 + ("cost from --prices" if prices else "--prices FILE (card: price per GPU-hour) adds the cost"))
+    return "\n".join(lines)
+
+
+def _compared(text: str) -> list[tuple[str, int]]:
+    launches = []
+    for item in text.split(","):
+        match = COMPARE.match(item.strip().lower())
+        if not match or match["card"] not in devices.SPEEDS or int(match["count"]) < 1:
+            raise UserError(f"--compare {item.strip()!r}: write CARDxCOUNT with a card of {', '.join(devices.SPEEDS)}"
+                            ", e.g. --compare a10x8,h100x8,h200x1")
+        launches.append((match["card"], int(match["count"])))
+    return launches
+
+
+def _prices(args) -> dict[str, float]:
+    if not args.prices:
+        return {}
+    from finetune.recipe.yaml_files import read_mapping
+
+    prices = read_mapping(Path(args.prices), "prices file", "a10: 1.10, h100: 3.50 (per GPU-hour)")
+    for card, price in prices.items():
+        if card not in devices.SPEEDS or not isinstance(price, (int, float)) or price < 0:
+            raise UserError(f"{args.prices}: {card}: {price!r}: write a card of {', '.join(devices.SPEEDS)} and its "
+                            "price per GPU-hour, e.g. h100: 3.50")
+    return {card: float(price) for card, price in prices.items()}
+
+
+def _backend(recipe, device: devices.Device) -> str:
+    if recipe.model.backend != "auto":
+        return recipe.model.backend
+    return "unsloth" if device.cuda and importlib.util.find_spec("unsloth") else "hf"
+
+
+def _probe(args, recipe, shape, layout, work) -> time_plan.Speed | None:
+    """Two real training steps here: their measured peak beside this machine's plan, and their speed."""
+    from finetune.recipe.train_section import trains_on_cpu
+    from finetune.training.probe import PROBE_STEPS, probe
+
+    here = devices.this_machine(trains_on_cpu(recipe.train))
+    alone = memory_plan.launch_of(None, 1)
+    local = memory_plan.plan(recipe, shape, here, alone, memory_plan.micro_batch_of(recipe, here, alone, shape))
+    print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
+          f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
+    measured = probe(args.recipe, args.overrides)
+    planned, what = local.measurable(), "torch.cuda.max_memory_allocated" if here.cuda else "peak resident memory"
+    print(f"Probe: measured {devices.format_bytes(measured.peak)} ({what}), planned "
+          f"{devices.format_bytes(planned)}: the plan is {(planned - measured.peak) / measured.peak:+.1%} off")
+    if isinstance(work, str) or not measured.step_s:
+        return None
+    per_token = _flops_per_token(recipe, shape, layout, work[0])
+    return time_plan.measured_speed(per_token * measured.tokens / measured.step_s,
+                                    f"--probe: {measured.tokens:,} tokens in {measured.step_s:.2f} s here")
+
+
+def _past_run_speed(recipe, shape, layout, epoch: flops.Work) -> time_plan.Speed | None:
+    """This machine's speed on the recipe as a run of it in output_dir measured it (one process): the median of
+    its logged tokens/s, the first interval (its warm-up) left out."""
+    from finetune.run_folder import read_rows, training_rows
+
+    rates = [row["tokens_per_second"] for row in training_rows(read_rows(recipe.output_dir))[1:]
+             if row.get("tokens_per_second")]
+    if not rates:
+        return None
+    rate = statistics.median(rates)
+    return time_plan.measured_speed(_flops_per_token(recipe, shape, layout, epoch) * rate,
+                                    f"{recipe.output_dir}: {rate:,.0f} tokens/s in its progress.jsonl")
+
+
+def _flops_per_token(recipe, shape, layout, epoch: flops.Work) -> float:
+    checkpointing = bool(recipe.train.get("gradient_checkpointing"))
+    return flops.count(shape, layout, recipe.method, checkpointing, epoch).per_token
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:,.3g} ms" if value < 10 else _duration(value)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"

@@ -1,0 +1,149 @@
+"""The time plan: FLOPs counted from the shape against torch's own counter, the steps a run takes, the all-reduce of
+several GPUs, and `finetune estimate`'s time and cost lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
+from finetune.recipe import devices, flops, memory_plan, time_plan
+from finetune.recipe.schema import load_recipe, recipe_from_dict
+from tests.conftest import cli_here, write_recipe
+
+
+def recipe(method: str, **train):
+    return recipe_from_dict({"model": {"name_or_path": "some/model"}, "data": {"train": "data.jsonl"},
+                             "method": method, "train": train, "output_dir": "run"})
+
+
+def counted_step(config, method: str, checkpointing: bool, length: int, trained_from: int) -> tuple[float, float]:
+    """(torch.utils.flop_counter's count of one training step, the plan's) on one example: the decoder, the head on
+    the tokens that carry loss only (as TRL's chunked loss), backward. Eager attention, which the counter sees."""
+    import torch
+    from peft import get_peft_model
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.loading import lora_config
+
+    torch.manual_seed(0)
+    planned_recipe = recipe(method)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if method != "full":
+        model = get_peft_model(model, lora_config(planned_recipe))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if method != "full":
+            model.enable_input_require_grads()  # as TRL does for PEFT with gradient checkpointing
+    model.train()
+    base = model.get_base_model() if method != "full" else model
+    ids = torch.randint(0, 1000, (1, length))
+    with FlopCounterMode(display=False) as counter:
+        hidden = base.model(input_ids=ids).last_hidden_state[0, trained_from:]
+        loss = torch.nn.functional.cross_entropy(base.lm_head(hidden), torch.randint(0, 1000, (len(hidden),)))
+        loss.backward()
+    shape = memory_plan.model_shape(config, planned_recipe)
+    work = flops.Work(length, length - trained_from, (length,))
+    return counter.get_total_flops(), flops.count(shape, flops.layout_of(config), method, checkpointing, work).total
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flops_of_a_dense_model_are_the_counters(method, checkpointing):
+    from transformers import LlamaConfig
+
+    # layers, not the head, dominate: the count of the decoder is what this checks
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    measured, planned = counted_step(config, method, checkpointing, length=256, trained_from=100)
+    assert planned == pytest.approx(measured, rel=0.005)
+    measured, planned = counted_step(tiny_llama_3_2(), method, checkpointing, length=48, trained_from=16)
+    assert planned == pytest.approx(measured, rel=0.005)  # the real vocabulary: the head on trained tokens only
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_flops_of_a_mixture_of_experts_count_the_experts_a_token_reaches(method):
+    measured, planned = counted_step(tiny_gpt_oss(), method, checkpointing=False, length=16, trained_from=6)
+    assert planned == pytest.approx(measured, rel=0.02)
+
+
+def test_the_rules_of_thumb_are_shown_beside_the_count():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shape = memory_plan.model_shape(config, recipe("full"))
+    counted = flops.count(shape, flops.layout_of(config), "full", False, flops.Work(512, 512, (512,)))
+    assert counted.rule_of_thumb == 6 * shape.parameters * 512
+    windowed = flops.Layout(window=128, windowed_layers=4, experts=0)
+    assert flops.count(shape, windowed, "full", False, flops.Work(512, 512, (512,))).total < counted.total
+
+
+def test_steps_are_the_trainers():
+    # 1,783 packed rows of 8 per step for 10 epochs: the quickstart's 2,230 steps
+    assert time_plan.steps_of({"num_train_epochs": 10}, 1783, 8, 1, 1) == 2230
+    assert time_plan.steps_of({"num_train_epochs": 1}, 1000, 4, 4, 2) == 32  # 125 batches per process, 4 per step
+    assert time_plan.steps_of({"num_train_epochs": 3, "max_steps": 7}, 1000, 4, 1, 1) == 7
+
+
+def test_ddp_moves_the_gradients_of_what_trains_over_the_link():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    a10 = devices.device_named("a10")
+    lora, full = (memory_plan.model_shape(config, recipe(method)) for method in ("lora", "full"))
+    ddp8 = memory_plan.launch_of(None, 8)
+    exposed, note = time_plan._communication(lora, "lora", ddp8, a10, compute_s=1.0, backward_s=0.0)
+    assert exposed == pytest.approx(2 * 7 / 8 * lora.adapter * 4 / (32e9 * time_plan.LINK_ACHIEVED))
+    assert f"{lora.adapter * 4 / 1e6:,.1f} MB of gradients" in note and "PCIe Gen4 x16" in note
+    hidden, _ = time_plan._communication(full, "full", ddp8, a10, compute_s=1.0, backward_s=10.0)
+    assert hidden == pytest.approx(2 * 7 / 8 * min(full.parameters * 2, time_plan.DDP_BUCKET) / (32e9 * 0.75))
+
+
+def test_compare_refuses_an_unknown_card_with_the_known_ones(capsys):
+    code, _, err = cli_here(capsys, "estimate", "quickstart", "--compare", "a10x8,b200x8")
+    assert code == 2 and err == ("error: --compare 'b200x8': write CARDxCOUNT with a card of a10, l4, a100-40, "
+                                 "a100-80, h100, h200, e.g. --compare a10x8,h100x8,h200x1\n")
+
+
+def test_estimate_plans_time_and_cost(capsys, tmp_path):
+    prices = write_recipe(tmp_path, "a10: 1.10\nh100: 3.50\n", "prices.yaml")
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "--gpu", "a10", "--price-per-gpu-hour", "2")
+    assert code == 0, err
+    plan = out.split("Time plan: ")[1]
+    assert plan.startswith("2,230 steps over ") and "counted from the prepared data" in plan
+    assert "assumed: 35% of the card's 125 TFLOPS dense bf16 peak (hf backend" in plan
+    cost = next(line for line in plan.splitlines() if line.lstrip().startswith("cost"))
+    assert "(1 GPU x " in cost and "at $2.00 per GPU-hour)" in cost and float(cost.split("$")[1].split()[0]) > 0
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "--compare", "a10x1,h100x8", "--prices", str(prices))
+    assert code == 0, err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:3]}
+    assert set(rows) == {"a10x1", "h100x8"} and rows["a10x1"][1] == rows["h100x8"][1] == "yes"
+    assert rows["a10x1"][-1].startswith("$") and rows["h100x8"][-1].startswith("$")
+    code, out, _ = cli_here(capsys, "estimate", "quickstart", "--compare", "a10x1")
+    assert code == 0 and "--prices FILE (card: price per GPU-hour) adds the cost" in out
+
+
+def test_estimate_without_data_says_why_and_plans_from_a_token_count(capsys, tmp_path):
+    path = write_recipe(tmp_path, "model: {name_or_path: builtin:tiny-llama}\ndata: {train: missing.jsonl}\n")
+    code, out, _ = cli_here(capsys, "estimate", str(path), "--gpu", "h100")
+    assert code == 0 and "Time and cost: not planned: " in out and "--tokens N plans from a token count" in out
+    code, out, _ = cli_here(capsys, "estimate", str(path), "--gpu", "h100", "--tokens", "1000000")
+    rows = 1_000_000 // load_recipe(path).train["max_length"]
+    assert code == 0 and f"in {rows:,} rows (from --tokens: rows of max_length, every token carrying loss; " in out
+
+
+def test_a_finished_run_of_the_recipe_gives_this_machines_speed(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": step, "loss": 1.0, "tokens_per_second": rate} for step, rate in ((20, 50.0), (40, 1000.0),
+                                                                                         (60, 1200.0), (80, 1100.0))]
+    (run / "progress.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, out, err = cli_here(capsys, "estimate", "quickstart", f"output_dir={run}", "--device", "cpu")
+    assert code == 0, err
+    assert "speed             measured: " in out and f"({run}: 1,100 tokens/s in its progress.jsonl)" in out
+    tokens_per_s = next(line for line in out.splitlines() if line.lstrip().startswith("tokens/s"))
+    assert tokens_per_s.split()[1] == "1,100"  # the plan runs at the speed the run measured
