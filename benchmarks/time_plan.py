@@ -14,7 +14,8 @@ come before it, as in the plan). Cases, one process each:
 Target: the planned run time within 20% of the measured one. The FLOP count itself is checked against
 torch.utils.flop_counter in tests/test_time_plan.py.
 
-    python benchmarks/time_plan.py [--cases quickstart,bench-lora-512] [--size tiny --steps 3] [--json results.json]
+    python benchmarks/time_plan.py [--cases quickstart,bench-lora-512] [--size tiny --steps 3 --rows 64]
+                                   [--json results.json]
 
 Needs ../shared/assets (the Llama 3.2 tokenizer and GSM8K), or $FINETUNE_SHARED_ASSETS.
 """
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--size", choices=MODEL_SIZES, default="bench", help="tiny: a smoke run of the script")
     parser.add_argument("--steps", type=int, help="train this many steps in every case (a smoke run)")
+    parser.add_argument("--rows", type=int, default=2000, help="GSM8K rows the bench model trains on")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if not (ASSETS / "tokenizers" / "llama-3.2-instruct").is_dir():
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         make_model(folder / "model", args.size)
         data = folder / "gsm8k.jsonl"
-        data.write_text("".join(json.dumps(row) + "\n" for row in gsm8k_rows(2000)), encoding="utf-8")
+        data.write_text("".join(json.dumps(row) + "\n" for row in gsm8k_rows(args.rows)), encoding="utf-8")
         bench_recipe = folder / "bench.yaml"
         bench_recipe.write_text(f"model: {{name_or_path: {folder / 'model'}}}\ndata: {{train: {data}}}\n")
         for name in args.cases.split(","):

@@ -36,7 +36,7 @@ def test_throughput_script_runs_all_ways(tmp_path):
 
 def test_time_plan_script_puts_the_planned_run_time_beside_the_measured(tmp_path):
     result, results = benchmark("time_plan.py", tmp_path / "results.json", "--cases", "bench-lora-512", "--size",
-                                "tiny", "--steps", "4")
+                                "tiny", "--steps", "4", "--rows", "64")
     assert result.returncode == 0, result.stderr[-3000:]
     [case] = results
     assert case["case"] == "bench-lora-512" and case["planned_s"] > 0 and case["measured_s"] > 0
