@@ -35,19 +35,19 @@ def estimate_command(args) -> int:
         print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
               "(a10, h100, 48GB, ...) to plan for it", flush=True)
     config = model_config(recipe)
-    shape = memory_plan.model_shape(config, recipe)
+    shape, layout = memory_plan.model_shape(config, recipe), flops.layout_of(config)
     work = _work(recipe, args.tokens)
     if launches:
-        print(_comparison(recipe, shape, flops.layout_of(config), work, launches, prices))
+        print(_comparison(recipe, shape, layout, work, launches, prices))
         return 0
     device = devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
     plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
     print(memory_plan.describe(plan, args.recipe))
     speed = time_plan.assumed_speed(device, _backend(recipe, device))
     if args.probe:
-        speed = _probe(args, recipe, shape, flops.layout_of(config), work) or speed
+        speed = _probe(args, recipe, shape, layout, work) or speed
     elif not args.gpu and launch.processes == 1 and not isinstance(work, str):
-        speed = _past_run_speed(recipe, shape, flops.layout_of(config), work[0]) or speed
+        speed = _past_run_speed(recipe, shape, layout, work[0]) or speed
     print()
     if isinstance(work, str):
         print(f"Time and cost: not planned: {work}")
@@ -56,7 +56,7 @@ def estimate_command(args) -> int:
               "it here, or name a card with --gpu")
     else:
         epoch, rows, evaluation, source = work
-        timed = time_plan.plan_time(recipe, shape, flops.layout_of(config), epoch, rows, evaluation, device, launch,
+        timed = time_plan.plan_time(recipe, shape, layout, epoch, rows, evaluation, device, launch,
                                     plan.micro_batch, speed)
         print(describe_time(timed, work, prices.get(args.gpu or "", args.price_per_gpu_hour), recipe.method))
     return 0
@@ -104,12 +104,12 @@ def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, m
         f"  tokens/s          {per_device:,.0f} per device, {timed.tokens_per_s:,.0f} in all",
         f"  evaluations       {_seconds(timed.evaluation_s)}",
         *[f"  {note}" for note in timed.notes],
-        f"  run time          {_duration(timed.total_s)}",
+        f"  run time          {time_plan.format_duration(timed.total_s)}",
     ]
     if price is not None:
         gpus = f"{timed.processes} GPU{'s' if timed.processes > 1 else ''}"
-        lines.append(f"  cost              ${timed.cost(price):,.2f} ({gpus} x {_duration(timed.total_s)} at "
-                     f"${price:,.2f} per GPU-hour)")
+        lines.append(f"  cost              ${timed.cost(price):,.2f} ({gpus} x "
+                     f"{time_plan.format_duration(timed.total_s)} at ${price:,.2f} per GPU-hour)")
     return "\n".join(lines)
 
 
@@ -135,7 +135,7 @@ def _comparison(recipe, shape, layout, work, launches, prices) -> str:
         price = prices.get(card)
         cost = f"${timed.cost(price):,.2f}" if price is not None else "–"
         lines.append(f"{f'{card}x{count}':<12} {'yes':<5} {micro:>11} {_seconds(timed.step_s):>9} "
-                     f"{timed.tokens_per_s:>10,.0f} {_duration(timed.total_s):>9} {cost:>10}")
+                     f"{timed.tokens_per_s:>10,.0f} {time_plan.format_duration(timed.total_s):>9} {cost:>10}")
     shares = ", ".join(f"{backend} {share:.0%}" for backend, share in time_plan.ASSUMED_MFU.items())
     lines.append(f"Speeds assumed: {shares} of each card's dense bf16 peak by backend; "
                  + ("cost from --prices" if prices else "--prices FILE (card: price per GPU-hour) adds the cost"))
@@ -219,10 +219,4 @@ def _has_cuda() -> bool:
 
 
 def _seconds(value: float) -> str:
-    return f"{value * 1000:,.3g} ms" if value < 10 else _duration(value)
-
-
-def _duration(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+    return f"{value * 1000:,.3g} ms" if value < 10 else time_plan.format_duration(value)

@@ -1,5 +1,5 @@
 """The Live tab: one run's status card, loss and learning-rate curves, stage metrics, sampled answers and log, with
-Stop and Resume. The Runs tab reuses its duration format."""
+Stop and Resume."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pandas as pd
 
 from finetune import run_folder
 from finetune.mlflow_store import recorded
+from finetune.recipe.time_plan import format_duration
 from finetune.ui.chat_models import ChatModels, unloaded_note
 from finetune.ui.run_info import RunInfo
 from finetune.ui.workspace import PanelError, Workspace
@@ -47,7 +48,8 @@ def resume(workspace: Workspace, models: ChatModels, name: str | None) -> str:
         workspace.resume(name)
     except PanelError as error:
         return f"⚠ {error}"
-    return status_card(workspace.run(name)) + f"\n\nResumed from its newest complete checkpoint{unloaded_note(unloaded)}."
+    resumed = f"Resumed from its newest complete checkpoint{unloaded_note(unloaded)}."
+    return status_card(workspace.run(name)) + f"\n\n{resumed}"
 
 
 def stage_frame(rows: list[dict]) -> pd.DataFrame | None:
@@ -55,14 +57,6 @@ def stage_frame(rows: list[dict]) -> pd.DataFrame | None:
     points = [{"step": float(row["step"]), "metric": key, "value": float(value)}
               for row in rows for key, value in row.items() if run_folder.plotted_stage_metric(key)]
     return pd.DataFrame(points) if points else None
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def status_card(info: RunInfo) -> str:
@@ -76,7 +70,8 @@ def status_card(info: RunInfo) -> str:
             f"step **{last['step']}**" + (f" / {last['total_steps']}" if last.get("total_steps") else ""),
             f"loss **{last['loss']:.4f}**",
             f"**{last.get('tokens_per_second', 0):,.0f}** tokens/s",
-            f"ETA **{duration(info.eta_s)}**" if info.eta_s is not None else f"elapsed {duration(info.duration_s)}",
+            f"ETA **{format_duration(info.eta_s)}**" if info.eta_s is not None
+            else f"elapsed {format_duration(info.duration_s)}",
             f"peak memory **{last.get('peak_memory_gb', 0):.2f} GB**",
         ]))
     if info.status == "failed" and info.rows and info.rows[-1].get("error"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from finetune.ui.live_tab import duration
+from finetune.recipe.time_plan import format_duration
 from finetune.ui.run_info import RunInfo
 from finetune.ui.workspace import Workspace
 
@@ -25,7 +25,8 @@ def overview(workspace: Workspace, selected: list[str] | None) -> tuple[pd.DataF
 
 def row(info: RunInfo) -> dict:
     last = info.last
-    return {"run": info.name, "status": info.status, "steps": last.get("step", 0), "duration": duration(info.duration_s),
+    return {"run": info.name, "status": info.status, "steps": last.get("step", 0),
+            "duration": format_duration(info.duration_s),
             "final loss": round(last["loss"], 4) if "loss" in last else None,
             "tokens/s": round(last.get("tokens_per_second", 0))}
 

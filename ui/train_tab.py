@@ -165,8 +165,8 @@ def build(app: gr.Blocks, workspace: Workspace, models: ChatModels, live_run: gr
     with gr.Row():
         gpu = gr.Dropdown(GPU_CHOICES, value=THIS_CPU, label="Plan for", scale=1)
         plan_button = gr.Button("Plan memory, time and cost", scale=1)
-    memory = gr.Code(label="Memory per device, then time and cost (finetune estimate)", language=None, interactive=False,
-                     lines=6, max_lines=20)
+    memory = gr.Code(label="Memory per device, then time and cost (finetune estimate)", language=None,
+                     interactive=False, lines=6, max_lines=20)
     with gr.Accordion("Validation report", open=False) as report:
         validation = gr.Code(label="Validation", language="yaml", interactive=False, lines=8, max_lines=30)
 

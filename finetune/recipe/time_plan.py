@@ -73,7 +73,9 @@ def assumed_speed(device: Device, backend: str) -> Speed | None:
     if device.speeds is None:
         return None
     mfu = ASSUMED_MFU.get(backend, ASSUMED_MFU["hf"])
-    return Speed(device.speeds.bf16_flops * mfu, assumed=True, source=f"assumed: {mfu:.0%} of the card's {device.speeds.bf16_flops / 1e12:,.0f} TFLOPS dense bf16 peak "
+    peak = device.speeds.bf16_flops / 1e12
+    return Speed(device.speeds.bf16_flops * mfu, assumed=True,
+                 source=f"assumed: {mfu:.0%} of the card's {peak:,.0f} TFLOPS dense bf16 peak "
                  f"({backend} backend; --probe measures it)")
 
 
@@ -168,3 +170,12 @@ def _checkpoints(recipe, shape, steps: int) -> tuple[float, str]:
     seconds = count * size / CHECKPOINT_WRITE
     return seconds, (f"checkpoints: {count} of {size / 1e9:,.2f} GB (weights and optimizer state) at "
                      f"{CHECKPOINT_WRITE / 1e9:.0f} GB/s assumed")
+
+
+def format_duration(seconds: float | None) -> str:
+    """1h05m, 4m07s; "–" for an unknown duration."""
+    if seconds is None:
+        return "–"
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
