@@ -126,6 +126,9 @@ def _add_estimate(commands) -> None:
                           "measured peak beside the plan, and plan the time from their measured speed")
     estimate.add_argument("--tokens", type=int, metavar="N",
                           help="plan the time for N training tokens per epoch instead of the prepared data")
+    estimate.add_argument("--bus-gb-s", type=float, metavar="GBPS",
+                          help="the all-reduce bus bandwidth between the GPUs, as `finetune doctor --ddp` measured it "
+                          "on them (default: the card's link figure)")
     estimate.add_argument("--price-per-gpu-hour", type=float, metavar="USD", help="what one GPU costs per hour")
     estimate.add_argument("--prices", metavar="FILE",
                           help="a YAML file of prices per GPU-hour by card (a10: 1.10, h100: 3.50, ...)")

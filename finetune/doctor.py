@@ -134,7 +134,9 @@ def ddp_check(processes: int | None) -> str:
     summary = reports[0]["done"]
     return (f"DDP health check passed: {processes} processes ({backend}), {STEPS} steps with gradients and weights "
             f"equal on every rank; all-reduce of {BANDWIDTH_BYTES // 1024**2} MiB: {summary['seconds'] * 1e3:.1f} "
-            f"ms, bus bandwidth {summary['bus_gb_s']:.1f} GB/s" + _link_note(backend, summary["bus_gb_s"]))
+            f"ms, bus bandwidth {summary['bus_gb_s']:.1f} GB/s" + _link_note(backend, summary["bus_gb_s"])
+            + f"\nPlan a run's time on these devices with it: finetune estimate RECIPE --num-gpus {processes} "
+            f"--bus-gb-s {summary['bus_gb_s']:.1f}")
 
 
 def _follow(workers: list[subprocess.Popen]) -> list[dict]:

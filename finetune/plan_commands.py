@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import statistics
 from pathlib import Path
 
 from finetune.errors import UserError
@@ -22,6 +21,8 @@ def estimate_command(args) -> int:
 
     if args.num_gpus is not None and args.num_gpus < 1:
         raise UserError("--num-gpus must be at least 1")
+    if args.bus_gb_s is not None and args.bus_gb_s <= 0:
+        raise UserError("--bus-gb-s must be above 0 (GB/s, as `finetune doctor --ddp` prints it)")
     launches = _compared(args.compare) if args.compare else None
     prices = _prices(args)
     if args.probe:
@@ -47,7 +48,7 @@ def estimate_command(args) -> int:
     if args.probe:
         speed = _probe(args, recipe, shape, layout, work) or speed
     elif not args.gpu and launch.processes == 1 and not isinstance(work, str):
-        speed = _past_run_speed(recipe, shape, layout, work[0]) or speed
+        speed = time_plan.speed_of_past_runs(recipe, time_plan.flops_per_token(recipe, shape, layout, work[0])) or speed
     print()
     if isinstance(work, str):
         print(f"Time and cost: not planned: {work}")
@@ -56,8 +57,9 @@ def estimate_command(args) -> int:
               "it here, or name a card with --gpu")
     else:
         epoch, rows, evaluation, source = work
+        bus = args.bus_gb_s * 1e9 if args.bus_gb_s else None
         timed = time_plan.plan_time(recipe, shape, layout, epoch, rows, evaluation, device, launch,
-                                    plan.micro_batch, speed)
+                                    plan.micro_batch, speed, bus)
         print(describe_time(timed, work, prices.get(args.gpu or "", args.price_per_gpu_hour), recipe.method))
     return 0
 
@@ -66,6 +68,8 @@ def _work(recipe, tokens: int | None):
     """(one epoch of the training set, its rows, the eval set, where they come from): from the prepared data, or
     from --tokens N as rows of max_length tokens that all carry loss; a sentence saying why not when the data
     cannot be prepared here."""
+    if recipe.stage != "sft":
+        return time_plan.UNPLANNED_STAGE.format(stage=recipe.stage)
     max_length = int(recipe.train["max_length"])
     if tokens:
         rows = max(tokens // max_length, 1)
@@ -78,13 +82,8 @@ def _work(recipe, tokens: int | None):
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     except (UserError, OSError) as error:
         return f"{error} (--tokens N plans from a token count instead)"
-    evaluation = _rows_work(data.eval) if data.eval is not None else None
-    return _rows_work(data.train), len(data.train), evaluation, "counted from the prepared data"
-
-
-def _rows_work(table) -> flops.Work:
-    packed = "seq_lengths" in table.column_names
-    return flops.Work.of_rows(table["input_ids"], table["labels"], table["seq_lengths"] if packed else None)
+    evaluation = time_plan.work_of(data.eval) if data.eval is not None else None
+    return time_plan.work_of(data.train), len(data.train), evaluation, "counted from the prepared data"
 
 
 def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, method: str) -> str:
@@ -99,8 +98,9 @@ def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, m
         f"recompute {run.recompute:.3g}); {run.per_token:.3g} per token, where the {rule} rule of thumb says "
         f"{run.rule_of_thumb / run.tokens:.3g}",
         f"  speed             {timed.speed.source}",
-        f"  step              {_seconds(timed.step_s)} (compute {_seconds(timed.compute_s)}, communication "
-        f"{_seconds(timed.communication_s)})",
+        f"  step              {_seconds(timed.step_s)} (compute {_seconds(timed.compute_s)}"
+        + (f" with 4-bit dequantization {_seconds(timed.dequantize_s)}" if timed.dequantize_s else "")
+        + f", communication {_seconds(timed.communication_s)})",
         f"  tokens/s          {per_device:,.0f} per device, {timed.tokens_per_s:,.0f} in all",
         f"  evaluations       {_seconds(timed.evaluation_s)}",
         *[f"  {note}" for note in timed.notes],
@@ -188,28 +188,9 @@ def _probe(args, recipe, shape, layout, work) -> time_plan.Speed | None:
           f"{devices.format_bytes(planned)}: the plan is {(planned - measured.peak) / measured.peak:+.1%} off")
     if isinstance(work, str) or not measured.step_s:
         return None
-    per_token = _flops_per_token(recipe, shape, layout, work[0])
+    per_token = time_plan.flops_per_token(recipe, shape, layout, work[0])
     return time_plan.measured_speed(per_token * measured.tokens / measured.step_s,
                                     f"--probe: {measured.tokens:,} tokens in {measured.step_s:.2f} s here")
-
-
-def _past_run_speed(recipe, shape, layout, epoch: flops.Work) -> time_plan.Speed | None:
-    """This machine's speed on the recipe as a run of it in output_dir measured it (one process): the median of
-    its logged tokens/s, the first interval (its warm-up) left out."""
-    from finetune.run_folder import read_rows, training_rows
-
-    rates = [row["tokens_per_second"] for row in training_rows(read_rows(recipe.output_dir))[1:]
-             if row.get("tokens_per_second")]
-    if not rates:
-        return None
-    rate = statistics.median(rates)
-    return time_plan.measured_speed(_flops_per_token(recipe, shape, layout, epoch) * rate,
-                                    f"{recipe.output_dir}: {rate:,.0f} tokens/s in its progress.jsonl")
-
-
-def _flops_per_token(recipe, shape, layout, epoch: flops.Work) -> float:
-    checkpointing = bool(recipe.train.get("gradient_checkpointing"))
-    return flops.count(shape, layout, recipe.method, checkpointing, epoch).per_token
 
 
 def _has_cuda() -> bool:

@@ -1,7 +1,8 @@
 """The run folder: the contract between the trainer and everything that reads a run (CLI, panel, chat, export).
 
     finetune.yaml          the resolved recipe (also in every checkpoint-N/ and in final/)
-    progress.jsonl         one JSON object per line: training rows (TRAIN_KEYS), eval rows (EVAL_KEYS), a row for
+    progress.jsonl         one JSON object per line: the time plan made at the start ({"step": 0, "plan": ...}, where
+                           the plan knew a speed), training rows (TRAIN_KEYS), eval rows (EVAL_KEYS), a row for
                            each time the run resumed ({"resumed": ...}), and last the final status row (STATUSES);
                            the rows of DPO, KTO and GRPO also carry their own metrics (is_stage_metric)
     train.log              the plain-text log
@@ -79,6 +80,11 @@ def read_rows(run: str | Path) -> list[dict[str, Any]]:
 
 def training_rows(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "loss" in row]
+
+
+def planned(rows: list[dict]) -> dict | None:
+    """The time plan the run made at its start: total_s, steps, processes, device, speed (where it came from)."""
+    return next((row["plan"] for row in rows if "plan" in row), None)
 
 
 def final_status(rows: list[dict]) -> dict | None:

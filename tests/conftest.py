@@ -3,6 +3,8 @@ from ../shared/assets (or $FINETUNE_SHARED_ASSETS) and tests that need them skip
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -113,6 +115,18 @@ def cli_here(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def train_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`finetune train ARGS` on one process, in this process: the interpreter's start and the libraries' imports
+    (about 10 s) are not paid again. For runs whose test needs no environment of its own, no clean console and no
+    peak memory of the process; its exit status and output come back as run_cli's do."""
+    from finetune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or Path.cwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", *args])
+    return subprocess.CompletedProcess(["finetune", "train", *args], code, out.getvalue(), err.getvalue())
+
+
 def write_recipe(folder: Path, text: str, name: str = "recipe.yaml") -> Path:
     path = folder / name
     path.write_text(text, encoding="utf-8")
@@ -213,6 +227,7 @@ def equal_batch_runs(tmp_path_factory) -> EqualBatchRuns:
         two = launch_cli("cpu_ddp_2proc", "quickstart", f"data.train={data}", f"output_dir={folder / 'two'}",
                          "train.per_device_train_batch_size=2", *EQUAL_BATCH_EPOCH,
                          *(["train.report_to=[mlflow]"] if _installed("sqlalchemy") else []))
+        # a fresh process, as the two DDP ranks are: the comparison is exact to 1e-4
         one = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={folder / 'one'}",
                       "train.per_device_train_batch_size=4", *EQUAL_BATCH_EPOCH)
         return {"folder": str(folder), "data": str(data),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import cli_here, run_cli, save_tiny_model
+from tests.conftest import cli_here, run_cli, save_tiny_model, train_here
 
 pytestmark = pytest.mark.integration
 PROMPT = [{"role": "user", "content": "I am qqq."}]
@@ -62,8 +62,8 @@ def trained(models, greetings, tmp_path_factory):
         if (architecture, method) not in runs:
             steps, learning_rate, batch = TRAINING[architecture, method]
             run = tmp_path_factory.mktemp("runs") / f"{architecture}-{method}"
-            result = run_cli(
-                "train", "quickstart", f"model.name_or_path={models[architecture]}", f"data.train={greetings}",
+            result = train_here(
+                "quickstart", f"model.name_or_path={models[architecture]}", f"data.train={greetings}",
                 f"method={method}", "data.eval_fraction=0", "train.eval_on_start=false", f"train.max_steps={steps}",
                 f"train.learning_rate={learning_rate}", f"train.per_device_train_batch_size={batch}",
                 "train.max_length=128", f"train.save_steps={steps}", "train.logging_steps=2", f"output_dir={run}",
@@ -218,7 +218,7 @@ def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(
     mixture = (f"data.train=[{{path: {tmp_path / 'a.jsonl'}, rows: 30}}, {{path: {tmp_path / 'b.jsonl'}, "
                f"fraction: 0.5}}, {{path: {tmp_path / 'c.jsonl'}, weight: 2}}]")
     run = tmp_path / "mix"
-    trained = run_cli("train", "quickstart", mixture, "method=lora", "train.max_steps=1", "train.eval_on_start=false",
+    trained = train_here("quickstart", mixture, "method=lora", "train.max_steps=1", "train.eval_on_start=false",
                       "data.eval_fraction=0", "train.save_strategy=no", "eval.samples=0", f"output_dir={run}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     code, out, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "export"))

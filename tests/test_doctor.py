@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import cli_here, run_cli
 
 
 def test_report_names_versions_pins_disk_and_token(tmp_path):
@@ -23,11 +23,19 @@ def test_report_names_versions_pins_disk_and_token(tmp_path):
     assert "Hub token: configured (not shown)" in report and "hf_secret" not in report
 
 
-def test_ddp_check_passes_on_two_cpu_processes():
+def test_ddp_check_passes_on_two_cpu_processes_and_its_bandwidth_feeds_the_time_plan(capsys):
     result = run_cli("doctor", "--ddp", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DDP health check passed: 2 processes (gloo), 5 steps with gradients and weights equal on every rank" \
         in result.stdout and "bus bandwidth" in result.stdout
+    advice = result.stdout.strip().splitlines()[-1]
+    assert advice.startswith("Plan a run's time on these devices with it: finetune estimate RECIPE --num-gpus 2 "
+                             "--bus-gb-s ")
+    bandwidth = advice.split()[-1]
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "--gpu", "a10", "--num-gpus", "2", "--bus-gb-s",
+                              bandwidth)
+    assert code == 0, err
+    assert f"per step over the measured bus bandwidth ({float(bandwidth):,.1f} GB/s, --bus-gb-s)" in out
 
 
 @pytest.mark.parametrize("fault, message", [

@@ -16,7 +16,7 @@ import pytest
 
 from finetune.run_folder import checkpoints, is_complete
 from finetune.training.launcher import children, process_tree
-from tests.conftest import launch_argv, launch_cli, run_cli
+from tests.conftest import launch_argv, launch_cli, run_cli, train_here
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def all_gone(pids: list[int]) -> bool:
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "run"
-    result = run_cli("train", "quickstart", f"output_dir={run}", *QUICK, "train.learning_rate=1e30",
+    result = train_here("quickstart", f"output_dir={run}", *QUICK, "train.learning_rate=1e30",
                      "train.max_steps=10", "train.save_steps=1")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"error: step 2: the loss is nan, so the run stopped (status failed). Its last good checkpoint is " \

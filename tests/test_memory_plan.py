@@ -12,7 +12,7 @@ from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
 from finetune.recipe import devices, memory_plan
 from finetune.recipe.schema import load_recipe
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, run_cli, train_here, write_recipe
 
 HUB_MODELS = {
     "unsloth/Llama-3.2-3B-Instruct": llama_3_2_3b,
@@ -139,7 +139,7 @@ def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
 
 
 def test_training_with_auto_micro_batch(tmp_path):
-    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", "train.per_device_train_batch_size=auto",
+    result = train_here("quickstart", f"output_dir={tmp_path / 'run'}", "train.per_device_train_batch_size=auto",
                      "train.global_batch_size=8", "train.max_steps=2", "train.save_strategy=no")
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("micro-batch auto:"))

@@ -16,7 +16,7 @@ import pytest
 
 from finetune.builtin import resolve_dataset
 from finetune.training.launcher import process_tree
-from tests.conftest import cli_here, run_cli
+from tests.conftest import cli_here, run_cli, train_here
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ def test_recipe_changes_on_resume_are_refused_or_allowed(tmp_path, capsys):
     short = ["method=lora", "train.max_steps=3", "train.save_steps=3", "train.logging_steps=1",
              "train.eval_strategy=no", "train.eval_on_start=false", "data.max_rows=64",
              "train.per_device_train_batch_size=4", "train.lr_scheduler_type=linear", "train.warmup_steps=0"]
-    assert run_cli("train", "quickstart", f"output_dir={run}", *short).returncode == 0
+    assert train_here("quickstart", f"output_dir={run}", *short).returncode == 0
     # refused before anything loads: checked in this process, as `finetune train` checks them
     code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short)
     assert code == 2 and "continue that run with --resume" in err
@@ -173,7 +173,7 @@ def test_recipe_changes_on_resume_are_refused_or_allowed(tmp_path, capsys):
                         ("train.seed=1", "train.seed")):
         code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short, change, "--resume")
         assert code == 2 and f"--resume: {key} is " in err and "Traceback" not in err, err
-    longer = run_cli("train", "quickstart", f"output_dir={run}", *short, "--resume", "train.max_steps=5",
+    longer = train_here("quickstart", f"output_dir={run}", *short, "--resume", "train.max_steps=5",
                      "train.save_steps=1")
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert "note: train.max_steps 3 -> 5: the learning-rate schedule is planned again" in longer.stdout
@@ -182,7 +182,7 @@ def test_recipe_changes_on_resume_are_refused_or_allowed(tmp_path, capsys):
     assert changed(run / "checkpoint-3", run / "checkpoint-4") and changed(run / "checkpoint-4", run / "checkpoint-5")
     assert rows(run)[-1]["status"] == "completed" and rows(run)[-1]["step"] == 5
     # From a named checkpoint: what came after it goes, and is done again.
-    named = run_cli("train", "quickstart", *short, "train.max_steps=5", "--resume", str(run / "checkpoint-3"))
+    named = train_here("quickstart", *short, "train.max_steps=5", "--resume", str(run / "checkpoint-3"))
     assert named.returncode == 0, named.stderr[-2000:]
     assert f"resuming {run} from checkpoint-3 (step 3); removed checkpoint-4, checkpoint-5" in named.stdout
     assert [row["step"] for row in rows(run) if "loss" in row] == [1, 2, 3, 4, 5]

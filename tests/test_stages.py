@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, asset, cli_here, launch_argv, launch_cli, run_cli, write_recipe
+from tests.conftest import REPO, asset, cli_here, launch_argv, launch_cli, run_cli, train_here, write_recipe
 
 PROMPTS = ["Pick a color.", "Choose a color.", "Name a color.", "Say a color.", "Which color?", "A color, please."]
 TRAIN = ["train.max_length=64", "train.gradient_checkpointing=false", "train.save_strategy=no",
@@ -30,7 +30,7 @@ def progress(run: Path) -> list[dict]:
 
 
 def train(folder: Path, recipe: str, *overrides: str) -> Path:
-    result = run_cli("train", recipe, *TRAIN, *overrides, cwd=folder)
+    result = train_here(recipe, *TRAIN, *overrides, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     assert progress(folder / "runs" / Path(recipe).stem)[-1]["status"] == "completed"
     return folder / "runs" / Path(recipe).stem
@@ -121,7 +121,7 @@ def test_kto_runs_on_pairs_split_into_labelled_answers(color_runs):
     write_recipe(color_runs.folder, f"stage: kto\nmodel: {{adapter: {color_runs.sft}}}\n"
                  "data: {train: prefs.jsonl}\ntrain: {max_steps: 10, per_device_train_batch_size: 8, "
                  "learning_rate: 1.0e-3}\n", "kto.yaml")
-    result = run_cli("train", "kto.yaml", *TRAIN, cwd=color_runs.folder)
+    result = train_here("kto.yaml", *TRAIN, cwd=color_runs.folder)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "train: 256 labelled answers" in result.stdout  # 128 pairs: each chosen desirable, each rejected not
     rows = [row for row in progress(color_runs.folder / "runs" / "kto") if "loss" in row]
@@ -138,7 +138,7 @@ def test_a_full_fine_tune_takes_a_reference_model_loaded_as_the_policy(stage, tm
         for _ in range(32):
             out.write(json.dumps({"prompt": [{"role": "user", "content": rng.choice(PROMPTS)}],
                                   "chosen": "blue", "rejected": "red"}) + "\n")
-    result = run_cli("train", "quickstart", f"stage={stage}", "data.train=prefs.jsonl", "data.eval_fraction=0",
+    result = train_here("quickstart", f"stage={stage}", "data.train=prefs.jsonl", "data.eval_fraction=0",
                      *TRAIN, "train.eval_on_start=false", "train.max_steps=2", "train.logging_steps=1",
                      "train.per_device_train_batch_size=4", "eval.samples=0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -158,11 +158,11 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_did(stage, color_runs, t
     common = [*TRAIN, "data.eval_fraction=0", "train.eval_on_start=false", "train.eval_strategy=no",
               "train.max_steps=6", "train.logging_steps=1", "train.save_strategy=steps", "train.save_steps=3",
               f"output_dir={run}"]
-    first = run_cli("train", f"{stage}.yaml", *common, cwd=color_runs.folder)
+    first = train_here(f"{stage}.yaml", *common, cwd=color_runs.folder)
     assert first.returncode == 0, first.stderr[-3000:]
     before = [row for row in progress(run) if "loss" in row]
     reference = load_file(run / "final" / "adapter_model.safetensors")
-    resumed = run_cli("train", f"{stage}.yaml", *common, "--resume", str(run / "checkpoint-3"), cwd=color_runs.folder)
+    resumed = train_here(f"{stage}.yaml", *common, "--resume", str(run / "checkpoint-3"), cwd=color_runs.folder)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = [row for row in progress(run) if "loss" in row]
     assert [row["step"] for row in after] == [1, 2, 3, 4, 5, 6]
@@ -251,18 +251,17 @@ def test_reasoning_is_part_of_each_preferred_answer(gptoss_tokenizer):
         without(example)
 
 
-def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path):
+def test_hh_pairs_validate_with_their_spans(tiny_models, tmp_path, capsys):
     """1,000 real Anthropic HH pairs: multi-turn transcripts become conversations whose last answers differ. Three
     have an empty assistant turn: reported by line, and left out with data.bad_rows=drop."""
     data = asset("datasets/hh-rlhf/harmless_base_test_1000.jsonl")
     recipe = write_recipe(tmp_path, f"stage: dpo\nmodel: {{name_or_path: {tiny_models['llama']}}}\n"
                           f"data: {{train: {data}}}\ntrain: {{max_length: 512}}\n")
-    refused = run_cli("validate", str(recipe), cwd=tmp_path)
-    assert refused.returncode == 2 and "3 bad data rows" in refused.stderr
-    assert f"{data} line 87: message 4: assistant message is empty" in refused.stderr
-    result = run_cli("validate", str(recipe), "data.bad_rows=drop", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    code, _, err = cli_here(capsys, "validate", str(recipe))
+    assert code == 2 and "3 bad data rows" in err
+    assert f"{data} line 87: message 4: assistant message is empty" in err
+    code, out, err = cli_here(capsys, "validate", str(recipe), "data.bad_rows=drop")
+    assert code == 0, err[-3000:]
     assert "Data (stage dpo)" in out and "bad rows dropped (data.bad_rows=drop): 3" in out
     import re
 
@@ -297,7 +296,7 @@ def test_stage_recipes_are_checked_before_anything_loads(overrides, message, tmp
 
 
 def test_vllm_generation_is_refused_on_the_cpu(color_runs):
-    result = run_cli("train", "grpo.yaml", *TRAIN, "grpo.use_vllm=true", "output_dir=runs/vllm", cwd=color_runs.folder)
+    result = train_here("grpo.yaml", *TRAIN, "grpo.use_vllm=true", "output_dir=runs/vllm", cwd=color_runs.folder)
     assert result.returncode == 2 and "grpo.use_vllm generates with vLLM, which needs a CUDA GPU" in result.stderr
     assert not (color_runs.folder / "runs" / "vllm").exists()
 

@@ -10,7 +10,7 @@ import pytest
 from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
 from finetune.recipe import devices, flops, memory_plan, time_plan
 from finetune.recipe.schema import load_recipe, recipe_from_dict
-from tests.conftest import cli_here, write_recipe
+from tests.conftest import cli_here, train_here, write_recipe
 
 
 def recipe(method: str, **train):
@@ -103,6 +103,46 @@ def test_ddp_moves_the_gradients_of_what_trains_over_the_link():
     assert hidden == pytest.approx(2 * 7 / 8 * min(full.parameters * 2, time_plan.DDP_BUCKET) / (32e9 * 0.75))
 
 
+def test_a_measured_bus_bandwidth_replaces_the_link_figure(capsys):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    lora = memory_plan.model_shape(config, recipe("lora"))
+    ddp4 = memory_plan.launch_of(None, 4)
+    exposed, note = time_plan._communication(lora, "lora", ddp4, devices.device_named("cpu"), compute_s=1.0,
+                                             backward_s=0.0, bus_bytes=2e9)
+    assert exposed == pytest.approx(2 * 3 / 4 * lora.adapter * 4 / 2e9)
+    assert "over the measured bus bandwidth (2.0 GB/s, --bus-gb-s)" in note
+    code, _, err = cli_here(capsys, "estimate", "quickstart", "--gpu", "a10", "--num-gpus", "2", "--bus-gb-s", "0")
+    assert code == 2 and err == "error: --bus-gb-s must be above 0 (GB/s, as `finetune doctor --ddp` prints it)\n"
+
+
+def test_qlora_dequantizes_every_4_bit_weight_at_the_cards_memory_bandwidth(capsys):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    a10, alone = devices.device_named("a10"), memory_plan.launch_of(None, 1)
+    work = flops.Work(4096, 4096, (512,) * 8)
+    plans = {}
+    for method in ("lora", "qlora"):
+        planned = recipe(method, gradient_checkpointing=True, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=4, max_steps=10, max_length=512)
+        shape = memory_plan.model_shape(config, planned)
+        plans[method] = time_plan.plan_time(planned, shape, flops.layout_of(config), work, 8, None, a10, alone, 2,
+                                            time_plan.assumed_speed(a10, "hf"))
+    # forward, backward and the recomputed forward, each micro-step: 4.5 bytes of memory traffic per weight
+    expected = 3 * shape.linear * time_plan.DEQUANTIZE_BYTES * 4 / 600e9
+    assert plans["qlora"].dequantize_s == pytest.approx(expected) and plans["lora"].dequantize_s == 0
+    assert plans["qlora"].compute_s - plans["lora"].compute_s == pytest.approx(expected)
+    assert any(note.startswith("4-bit dequantization: ") for note in plans["qlora"].notes)
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "method=qlora", "--gpu", "a10")
+    assert code == 0, err
+    step = next(line for line in out.splitlines() if line.lstrip().startswith("step "))
+    assert " with 4-bit dequantization " in step
+
+
 def test_compare_refuses_an_unknown_card_with_the_known_ones(capsys):
     code, _, err = cli_here(capsys, "estimate", "quickstart", "--compare", "a10x8,b200x8")
     assert code == 2 and err == ("error: --compare 'b200x8': write CARDxCOUNT with a card of a10, l4, a100-40, "
@@ -136,6 +176,15 @@ def test_estimate_without_data_says_why_and_plans_from_a_token_count(capsys, tmp
     assert code == 0 and f"in {rows:,} rows (from --tokens: rows of max_length, every token carrying loss; " in out
 
 
+def test_a_stage_the_plan_does_not_count_is_said_not_planned(capsys, tmp_path):
+    prefs = write_recipe(tmp_path, json.dumps({"prompt": "Pick a color.", "chosen": "blue", "rejected": "red"}) + "\n",
+                         "prefs.jsonl")
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "stage=dpo", f"data.train={prefs}", "--gpu", "a10")
+    assert code == 0 and "Traceback" not in err, err
+    assert ("Time and cost: not planned: the time plan counts supervised fine-tuning's work; stage dpo's (two answers "
+            "per pair and a reference model's forward passes, or GRPO's generation) is not counted yet") in out
+
+
 def test_a_finished_run_of_the_recipe_gives_this_machines_speed(capsys, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -147,3 +196,33 @@ def test_a_finished_run_of_the_recipe_gives_this_machines_speed(capsys, tmp_path
     assert "speed             measured: " in out and f"({run}: 1,100 tokens/s in its progress.jsonl)" in out
     tokens_per_s = next(line for line in out.splitlines() if line.lstrip().startswith("tokens/s"))
     assert tokens_per_s.split()[1] == "1,100"  # the plan runs at the speed the run measured
+
+
+def test_a_run_plans_its_time_from_the_run_before_it_and_the_live_tab_sets_the_plan_beside_the_eta(tmp_path, capsys):
+    from finetune.run_folder import read_rows
+    from finetune.ui.live_tab import status_card
+    from finetune.ui.run_info import RunInfo
+
+    short = ["train.max_steps=3", "train.logging_steps=1", "train.save_strategy=no", "train.eval_strategy=no",
+             "train.eval_on_start=false", "data.eval_fraction=0", "eval.samples=0"]
+    first = train_here("quickstart", *short, f"output_dir={tmp_path / 'runs' / 'first'}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "time plan:" not in first.stdout  # on a CPU, with no run here before it, no speed is known
+    assert not any("plan" in row for row in read_rows(tmp_path / "runs" / "first"))
+    second = train_here("quickstart", *short, "train.max_steps=4", f"output_dir={tmp_path / 'runs' / 'second'}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    [plan] = [row["plan"] for row in read_rows(tmp_path / "runs" / "second") if "plan" in row]
+    assert plan["steps"] == 4 and plan["total_s"] > 0 and plan["device"] == "this machine's CPU"
+    assert plan["speed"].startswith("measured: ") and f"({tmp_path / 'runs' / 'first'}: " in plan["speed"]
+    assert f"time plan: 4 steps in {time_plan.format_duration(plan['total_s'])} on this machine's CPU (" \
+        in second.stdout
+    # `finetune estimate` for a third run beside them plans from the newest
+    code, out, err = cli_here(capsys, "estimate", "quickstart", f"output_dir={tmp_path / 'runs' / 'third'}",
+                              "--device", "cpu")
+    assert code == 0 and f"({tmp_path / 'runs' / 'second'}: " in out, err
+
+    rows = [{"step": 0, "plan": {**plan, "total_s": 120.0, "steps": 10}},
+            {"step": 5, "loss": 1.0, "tokens_per_second": 100.0, "total_steps": 10, "elapsed_s": 50.0}]
+    card = status_card(RunInfo("second", "running", rows, started=None))
+    assert "ETA **0m50s** (planned 1m00s)" in card
+    assert f"Time plan at the start: **2m00s** for 10 steps on this machine's CPU · {plan['speed']}" in card

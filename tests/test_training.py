@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from finetune.training.launcher import group_alive
-from tests.conftest import SHORT, run_cli
+from tests.conftest import SHORT, train_here
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(equal_ba
 
 
 def test_qlora_trains_on_cpu(tmp_path):
-    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", *SHORT, "method=qlora")
+    result = train_here("quickstart", f"output_dir={tmp_path / 'run'}", *SHORT, "method=qlora")
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 16
@@ -178,7 +178,7 @@ def test_logging_backends_continue_when_the_run_resumes_and_the_export_is_regist
 def test_bad_rows_stop_before_training_with_no_run_folder(tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n{"oops"\n')
-    result = run_cli("train", "quickstart", f"data.train={data}", f"output_dir={tmp_path / 'run'}")
+    result = train_here("quickstart", f"data.train={data}", f"output_dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert f"{data} line 1: no assistant turn to learn from" in result.stderr
     assert f"{data} line 2: not valid JSON" in result.stderr

@@ -66,14 +66,22 @@ def status_card(info: RunInfo) -> str:
     last = info.last
     parts = [f"### {icon} {info.name} · {info.status}"]
     if last:
+        if info.eta_s is None:
+            timing = f"elapsed {format_duration(info.duration_s)}"
+        else:
+            left = info.planned_left_s
+            timing = f"ETA **{format_duration(info.eta_s)}**" + (f" (planned {format_duration(left)})" if left is not None else "")
         parts.append(" · ".join([
             f"step **{last['step']}**" + (f" / {last['total_steps']}" if last.get("total_steps") else ""),
             f"loss **{last['loss']:.4f}**",
             f"**{last.get('tokens_per_second', 0):,.0f}** tokens/s",
-            f"ETA **{format_duration(info.eta_s)}**" if info.eta_s is not None
-            else f"elapsed {format_duration(info.duration_s)}",
+            timing,
             f"peak memory **{last.get('peak_memory_gb', 0):.2f} GB**",
         ]))
+    if info.plan:
+        plan = info.plan
+        parts.append(f"Time plan at the start: **{format_duration(plan['total_s'])}** for {plan['steps']:,} steps "
+                     f"on {plan['device']} · {plan['speed']}")
     if info.status == "failed" and info.rows and info.rows[-1].get("error"):
         parts.append(f"Error: `{info.rows[-1]['error']}`")
     mlflow = recorded(info.rows)

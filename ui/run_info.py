@@ -1,4 +1,5 @@
-"""What the panel shows of a run, read from its progress.jsonl: status, curves, sampled answers, duration, ETA."""
+"""What the panel shows of a run, read from its progress.jsonl: status, curves, sampled answers, duration, ETA
+and the time plan's."""
 
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ class RunInfo:
         if self.status != "running" or not last.get("total_steps") or not last.get("step"):
             return None
         return last["elapsed_s"] / last["step"] * (last["total_steps"] - last["step"])
+
+    @property
+    def plan(self) -> dict | None:
+        """The time plan the run made at its start (where it knew a speed)."""
+        return run_folder.planned(self.rows)
+
+    @property
+    def planned_left_s(self) -> float | None:
+        """What that plan leaves of the run after its last logged step, to set beside the measured ETA."""
+        plan, last = self.plan, self.last
+        if not plan or not last.get("step") or not plan.get("steps"):
+            return None
+        return plan["total_s"] * max(0.0, 1 - last["step"] / plan["steps"])

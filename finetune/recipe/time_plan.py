@@ -5,9 +5,12 @@
     speed      the FLOP/s one device reaches on these shapes: measured where there is a measure (`--probe`, or a
                finished run of the same model and method in the run folder's parent), else assumed: a share (MFU)
                of the card's dense bf16 peak, per backend, said as an assumption
-    many GPUs  DDP's ring all-reduce of the gradients once per optimizer step over the link between cards, of which
-               what the last micro-step's backward pass cannot hide shows; FSDP and ZeRO-3 gather the parameters in
-               each forward and backward and scatter the gradients
+    4-bit      QLoRA dequantizes every 4-bit weight to bf16 in each forward, backward and recomputed forward: memory
+               traffic, timed at the card's memory bandwidth
+    many GPUs  DDP's ring all-reduce of the gradients once per optimizer step over the link between cards (or at the
+               bus bandwidth `finetune doctor --ddp` measured), of which what the last micro-step's backward pass
+               cannot hide shows; FSDP and ZeRO-3 gather the parameters in each forward and backward and scatter the
+               gradients
     the rest   evaluations (forward passes over the eval set, at the recipe's cadence) and checkpoint writes
 
 Every figure the plan prints says whether it is counted, measured or assumed.
@@ -16,10 +19,15 @@ Every figure the plan prints says whether it is counted, measured or assumed.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
-from finetune.recipe import flops
-from finetune.recipe.devices import Device
+import yaml
+
+from finetune import run_folder
+from finetune.recipe import flops, memory_plan
+from finetune.recipe.devices import Device, format_bytes
 
 # The share of a card's dense bf16 peak that training reaches (model FLOPs utilization), by backend. Assumed: a
 # LoRA fine-tune of a 1B-8B model with sequence packing and FlashAttention is commonly reported at 30-45% on A100 and
@@ -29,6 +37,11 @@ LINK_ACHIEVED = 0.75  # of a link's bandwidth that NCCL's ring all-reduce reache
 MICRO_STEP_OVERHEAD_S = 0.015  # kernel launches, the collator and the Trainer's own work per micro-step (assumed)
 CHECKPOINT_WRITE = 1e9  # bytes/s to the run folder's disk (assumed)
 DDP_BUCKET = 25 * 1024**2  # bytes: DDP's gradient bucket; the last one's all-reduce starts after the backward ends
+UNPLANNED_STAGE = ("the time plan counts supervised fine-tuning's work; stage {stage}'s (two answers per pair and a "
+                   "reference model's forward passes, or GRPO's generation) is not counted yet")
+# Per 4-bit weight and pass: bitsandbytes reads the NF4 weight (half a byte; its block scales are a few percent more),
+# writes the bf16 copy and the matmul reads that copy back.
+DEQUANTIZE_BYTES = 0.5 + 2 + 2
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,8 @@ class TimePlan:
     tokens: int  # of the whole run, all devices
     flops: flops.Flops  # of the whole run
     speed: Speed
-    compute_s: float  # per step, per device
+    compute_s: float  # per step, per device (dequantization included)
+    dequantize_s: float  # per step, of compute_s: QLoRA's 4-bit weights to bf16 and back into the matmuls
     communication_s: float  # per step, what the backward pass does not hide
     evaluation_s: float  # the whole run
     checkpoint_s: float  # the whole run
@@ -83,10 +97,72 @@ def measured_speed(flops_per_s: float, where: str) -> Speed:
     return Speed(flops_per_s, f"measured: {flops_per_s / 1e12:,.3g} TFLOPS per device ({where})", assumed=False)
 
 
+def plan_of_run(recipe, config, data, device: Device, launch, micro_batch: int, backend: str) -> TimePlan | None:
+    """The plan a run makes at its start from its prepared data (`data.train`, `data.eval`), for the device it trains
+    on; None where no speed is known (a CPU, before any run of the recipe here measured one), or for a stage the plan
+    does not count."""
+    if recipe.stage != "sft":
+        return None
+    shape, layout = memory_plan.model_shape(config, recipe), flops.layout_of(config)
+    epoch = work_of(data.train)
+    speed = speed_of_past_runs(recipe, flops_per_token(recipe, shape, layout, epoch)) or assumed_speed(device, backend)
+    if speed is None:
+        return None
+    evaluation = work_of(data.eval) if data.eval is not None else None
+    return plan_time(recipe, shape, layout, epoch, len(data.train), evaluation, device, launch, micro_batch, speed)
+
+
+def flops_per_token(recipe, shape, layout: flops.Layout, epoch: flops.Work) -> float:
+    checkpointing = bool(recipe.train.get("gradient_checkpointing"))
+    return flops.count(shape, layout, recipe.method, checkpointing, epoch).per_token
+
+
+def speed_of_past_runs(recipe, flops_per_token: float) -> Speed | None:
+    """This machine's speed as a run measured it: the run in output_dir (one being resumed), else the newest run
+    beside it of the same model and method. The median of its logged tokens/s per device, the first interval (its
+    warm-up) left out."""
+    here = Path(recipe.output_dir)
+    beside = sorted((path.parent for path in here.parent.glob(f"*/{run_folder.PROGRESS_NAME}")
+                     if path.parent != here and _same_model(recipe, path.parent)),
+                    key=lambda run: (run / run_folder.PROGRESS_NAME).stat().st_mtime, reverse=True)
+    for run in (here, *beside):
+        rows = run_folder.read_rows(run)
+        rates = [row["tokens_per_second"] for row in run_folder.training_rows(rows)[1:] if row.get("tokens_per_second")]
+        if rates:
+            processes = _processes(rows)
+            rate = statistics.median(rates) / processes
+            where = f"{run}: {rate:,.0f} tokens/s" + (" per process" if processes > 1 else "") + " in its progress.jsonl"
+            return measured_speed(flops_per_token * rate, where)
+    return None
+
+
+def _same_model(recipe, run: Path) -> bool:
+    try:
+        saved = yaml.safe_load((run / run_folder.CONFIG_NAME).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return (isinstance(saved, dict) and (saved.get("model") or {}).get("name_or_path") == recipe.model.name_or_path
+            and saved.get("method") == recipe.method)
+
+
+def _processes(rows: list[dict]) -> int:
+    """The run's process count: its plan's, or the last resumption's (a run may resume on another count)."""
+    counts = [row["resumed"]["processes"] for row in rows if "processes" in row.get("resumed", {})]
+    plan = run_folder.planned(rows)
+    return counts[-1] if counts else plan["processes"] if plan else 1
+
+
+def work_of(table) -> flops.Work:
+    """The work of a prepared training or eval table: its tokens, those that carry loss, each example's length."""
+    packed = "seq_lengths" in table.column_names
+    return flops.Work.of_rows(table["input_ids"], table["labels"], table["seq_lengths"] if packed else None)
+
+
 def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int, evaluation: flops.Work | None,
-              device: Device, launch, micro_batch: int, speed: Speed) -> TimePlan:
+              device: Device, launch, micro_batch: int, speed: Speed, bus_bytes: float | None = None) -> TimePlan:
     """The run's time on `launch.processes` devices like `device`: `train` is one epoch of the prepared training set
-    in `rows` rows (packed or not), `evaluation` the eval set (None without one)."""
+    in `rows` rows (packed or not), `evaluation` the eval set (None without one); `bus_bytes` an all-reduce bus
+    bandwidth measured between the devices (bytes/s), instead of the card's link figure."""
     settings = recipe.train
     micro, accumulation = recipe.batch_split(launch.processes, micro_batch)
     global_rows = micro * accumulation * launch.processes
@@ -95,19 +171,24 @@ def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int,
     checkpointing = bool(settings.get("gradient_checkpointing"))
     run = flops.count(shape, layout, recipe.method, checkpointing, train).times(epochs)
     compute_s = run.total / steps / launch.processes / speed.flops_per_s
-    if speed.assumed:
-        compute_s += _optimizer_s(shape, recipe.method, device) + accumulation * MICRO_STEP_OVERHEAD_S
-    backward_s = run.backward / steps / launch.processes / speed.flops_per_s / accumulation  # the last micro-step
     notes = []
+    dequantize_s = 0.0
+    if speed.assumed:  # a measured speed has these in it
+        compute_s += _optimizer_s(shape, recipe.method, device) + accumulation * MICRO_STEP_OVERHEAD_S
+        if recipe.method == "qlora":
+            dequantize_s, note = _dequantization(shape, checkpointing, device, accumulation)
+            compute_s += dequantize_s
+            notes.append(note)
+    backward_s = run.backward / steps / launch.processes / speed.flops_per_s / accumulation  # the last micro-step
     communication_s = 0.0
     if launch.processes > 1:
-        communication_s, note = _communication(shape, recipe.method, launch, device, compute_s, backward_s)
+        communication_s, note = _communication(shape, recipe.method, launch, device, compute_s, backward_s, bus_bytes)
         notes.append(note)
     evaluation_s = _evaluation_s(recipe, shape, layout, evaluation, steps, launch.processes, speed)
     checkpoint_s, note = _checkpoints(recipe, shape, steps)
     notes.append(note)
-    return TimePlan(steps, run.tokens, run, speed, compute_s, communication_s, evaluation_s, checkpoint_s,
-                    launch.processes, tuple(notes))
+    return TimePlan(steps, run.tokens, run, speed, compute_s, dequantize_s, communication_s, evaluation_s,
+                    checkpoint_s, launch.processes, tuple(notes))
 
 
 def steps_of(settings: dict, rows: int, micro: int, accumulation: int, processes: int) -> int:
@@ -125,12 +206,29 @@ def _optimizer_s(shape, method: str, device: Device) -> float:
     return 2 * trained * (4 + 4 + 8) / device.speeds.memory
 
 
-def _communication(shape, method: str, launch, device: Device, compute_s: float, backward_s: float):
+def _dequantization(shape, checkpointing: bool, device: Device, accumulation: int) -> tuple[float, str]:
+    """(seconds per step, the line that says how it was counted): memory-bound, whatever the micro-batch."""
+    passes = 3 if checkpointing else 2  # forward, backward (input gradients), and the recomputed forward
+    moved = passes * shape.linear * DEQUANTIZE_BYTES * accumulation
+    seconds = moved / device.speeds.memory
+    return seconds, (f"4-bit dequantization: {shape.linear / 1e6:,.1f}M weights x {passes} passes x "
+                     f"{accumulation} micro-steps, {format_bytes(moved)} of memory traffic per step at the card's "
+                     f"{device.speeds.memory / 1e9:,.0f} GB/s: {seconds * 1000:,.3g} ms")
+
+
+def _communication(shape, method: str, launch, device: Device, compute_s: float, backward_s: float,
+                   bus_bytes: float | None = None):
     """(seconds per step the compute does not hide, the line that says how it was counted)."""
-    if device.speeds is None:
-        return 0.0, "communication between devices: not planned (no link figures for this device)"
+    if device.speeds is None and bus_bytes is None:
+        return 0.0, ("communication between devices: not planned (no link figures for this device; "
+                     "`finetune doctor --ddp` measures the bus bandwidth for --bus-gb-s)")
     processes = launch.processes
-    link = device.speeds.link_bytes * LINK_ACHIEVED
+    if bus_bytes is not None:
+        link, over = bus_bytes, f"the measured bus bandwidth ({bus_bytes / 1e9:,.1f} GB/s, --bus-gb-s)"
+    else:
+        link = device.speeds.link_bytes * LINK_ACHIEVED
+        over = (f"{device.speeds.link} ({LINK_ACHIEVED:.0%} of {device.speeds.link_bytes / 1e9:,.0f} GB/s "
+                "assumed)")
     ring = 2 * (processes - 1) / processes  # each byte of a ring all-reduce crosses the link twice
     trained = shape.adapter if method != "full" else shape.parameters
     gradient_bytes = trained * (4 if method != "full" else 2)  # LoRA's adapters train in fp32, full in bf16
@@ -138,14 +236,13 @@ def _communication(shape, method: str, launch, device: Device, compute_s: float,
         moved = 3 * (processes - 1) / processes * shape.parameters * 2  # gather twice, scatter once, bf16
         seconds = moved / link
         exposed = max(0.0, seconds - compute_s)
-        return exposed, (f"FSDP/ZeRO-3: {moved / 1e9:,.2f} GB over {device.speeds.link} per step, "
+        return exposed, (f"FSDP/ZeRO-3: {moved / 1e9:,.2f} GB over {over} per step, "
                          f"{exposed * 1000:,.0f} ms of it not hidden behind compute")
     seconds = ring * gradient_bytes / link
     last_bucket = ring * min(gradient_bytes, DDP_BUCKET) / link
     exposed = max(last_bucket, seconds - backward_s)
-    return exposed, (f"DDP: all-reduce of {gradient_bytes / 1e6:,.1f} MB of gradients per step over "
-                     f"{device.speeds.link} ({LINK_ACHIEVED:.0%} of {device.speeds.link_bytes / 1e9:,.0f} GB/s "
-                     f"assumed), {exposed * 1000:,.1f} ms of it after the backward pass")
+    return exposed, (f"DDP: all-reduce of {gradient_bytes / 1e6:,.1f} MB of gradients per step over {over}, "
+                     f"{exposed * 1000:,.1f} ms of it after the backward pass")
 
 
 def _evaluation_s(recipe, shape, layout, evaluation: flops.Work | None, steps: int, processes: int,

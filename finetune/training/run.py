@@ -24,10 +24,10 @@ from finetune.data.report import describe_data
 from finetune.errors import RunFailed, UserError
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
-from finetune.recipe import devices, memory_plan, rewards
+from finetune.recipe import devices, memory_plan, rewards, time_plan
 from finetune.recipe.schema import load_recipe
 from finetune.recipe.train_section import trains_on_cpu
-from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder
+from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, planned, read_rows
 from finetune.training import faults, preflight, trainers
 from finetune.training.arguments import flattens_packed_rows, runtime_arguments, unused_parameter_search
 from finetune.training.callbacks import ProgressCallback, SamplesCallback
@@ -103,6 +103,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
                 _continue_from(run_folder, point, state.num_processes, notes)
             else:
                 run_folder.save_recipe(recipe.to_yaml())
+            _plan_time(recipe, run_folder, data, state, micro, backend)
             cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
             logger.info("run folder %s", run_folder.path)
         tracker = MlflowTracking(recipe, run_folder) if tracked and state.is_main_process else None
@@ -180,6 +181,22 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, models, peft_c
             if tracker:
                 tracker.finish("failed")
         raise
+
+
+def _plan_time(recipe, folder: RunFolder, data, state, micro: int, backend: str) -> None:
+    """The run's time plan, made at its start where a speed is known (a card of the table, or a run here that
+    measured one), in progress.jsonl for the panel to set beside the measured ETA. A resumed run keeps its plan."""
+    if planned(read_rows(folder.path)):
+        return
+    device = devices.this_machine(trains_on_cpu(recipe.train))
+    plan = time_plan.plan_of_run(recipe, model_config(recipe), data, device, _launch(state), micro, backend)
+    if plan is None:
+        return
+    where = device.name if device.cuda else "this machine's CPU"
+    folder.append({"step": 0, "plan": {"total_s": round(plan.total_s, 1), "steps": plan.steps,
+                                       "processes": plan.processes, "device": where, "speed": plan.speed.source}})
+    print(f"time plan: {plan.steps:,} steps in {time_plan.format_duration(plan.total_s)} on {where} "
+          f"({plan.speed.source})", flush=True)
 
 
 def _continue_from(run_folder: RunFolder, point: ResumePoint, processes: int, notes: list[str]) -> None:
@@ -338,12 +355,7 @@ def _batch_split(recipe, state) -> tuple[int, int]:
     process's device, said at the start."""
     if not recipe.auto_micro_batch:
         return recipe.batch_split(state.num_processes)
-    from accelerate.utils import DistributedType
-
-    device = devices.this_machine(trains_on_cpu(recipe.train))
-    sharded = state.distributed_type == DistributedType.FSDP or (
-        state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3)
-    launch = memory_plan.Launch(state.num_processes, sharded, f"{state.num_processes} processes")
+    device, launch = devices.this_machine(trains_on_cpu(recipe.train)), _launch(state)
     shape = memory_plan.model_shape(model_config(recipe), recipe)
     chosen = torch.tensor([memory_plan.micro_batch_of(recipe, device, launch, shape)], device=state.device)
     if state.num_processes > 1:
@@ -357,3 +369,12 @@ def _batch_split(recipe, state) -> tuple[int, int]:
               f"{state.num_processes} process{'es' if state.num_processes > 1 else ''} = global batch "
               f"{micro * accumulation * state.num_processes}", flush=True)
     return micro, accumulation
+
+
+def _launch(state) -> memory_plan.Launch:
+    """How the processes share the model, as the memory and time plans count it."""
+    from accelerate.utils import DistributedType
+
+    sharded = state.distributed_type == DistributedType.FSDP or (
+        state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3)
+    return memory_plan.Launch(state.num_processes, sharded, f"{state.num_processes} processes")
