@@ -279,8 +279,11 @@ def _start_quickstart(root: Path) -> Path:
         if not folder.exists():
             folder.mkdir()
             command = f"{shlex.quote(str(Path(sys.executable).parent / 'finetune'))} train quickstart >stdout 2>stderr"
+            # A home of its own: it prepares its data while the worker that started it runs other tests, some of
+            # which check that nothing is left in their data cache.
             subprocess.Popen(["sh", "-c", f"{command}; echo $? >returncode.partial; mv returncode.partial returncode"],
-                             cwd=folder, stdin=subprocess.DEVNULL, start_new_session=True)
+                             cwd=folder, stdin=subprocess.DEVNULL, start_new_session=True,
+                             env={**os.environ, "FINETUNE_HOME": str(root / "quickstart-home")})
     return folder
 
 
