@@ -146,7 +146,11 @@ def test_a_two_process_run_prints_only_its_own_lines(tmp_path):
         timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Prepared the data in " in result.stdout, result.stdout  # prepared by this run (progress lines only if slow)
-    assert not foreign_lines(result.stderr), foreign_lines(result.stderr)
+    # A DDP run of a test on the other worker may hold accelerate's default port meanwhile: that warning is the
+    # parallel suite's, not the README command's.
+    lines = [line for line in foreign_lines(result.stderr)
+             if "is already in use" not in line and line.strip() != "warnings.warn("]
+    assert not lines, lines
 
 
 def foreign_lines(stderr: str) -> list[str]:
