@@ -146,7 +146,7 @@ def _same_model(recipe, run: Path) -> bool:
 
 
 def _processes(rows: list[dict]) -> int:
-    """The run's process count: its plan's, or the last resumption's (a run may resume on another count)."""
+    """The run's process count: its last resumption's (a run may resume on another count), else its plan's."""
     counts = [row["resumed"]["processes"] for row in rows if "processes" in row.get("resumed", {})]
     plan = run_folder.planned(rows)
     return counts[-1] if counts else plan["processes"] if plan else 1
