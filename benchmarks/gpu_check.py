@@ -188,14 +188,14 @@ def planned_gib(recipe: Path, overrides: list[str]) -> float:
     """What `finetune estimate --probe` compares with the measured peak: the plan's tensors on this GPU (the whole
     process on the CPU), one process."""
     from finetune.models.loading import model_config
-    from finetune.recipe import devices, memory_plan
+    from finetune.recipe import devices, memory_plan, shapes
     from finetune.recipe.schema import load_recipe
     from finetune.recipe.train_section import trains_on_cpu
 
     config = load_recipe(recipe, overrides)
     device = devices.this_machine(trains_on_cpu(config.train))
     alone = memory_plan.launch_of(None, 1)
-    shape = memory_plan.model_shape(model_config(config), config)
+    shape = shapes.model_shape(model_config(config), config)
     plan = memory_plan.plan(config, shape, device, alone, memory_plan.micro_batch_of(config, device, alone, shape))
     return plan.measurable() / devices.GIB
 

@@ -2,14 +2,15 @@
 
 Random-initialized Llama-architecture models with the real Llama 3.2 vocabulary (tied 128k embeddings) at three
 sizes up to the Llama-3.2-1B shape, trained on GSM8K packed into full rows of max_length tokens, one row per step,
-two steps, each case in a fresh process:
+two steps, each case in a fresh process, the weights saved in bf16 as released checkpoints are:
 
   methods   LoRA fp32, LoRA bf16 (autocast), QLoRA (NF4 base)
   gradient checkpointing on and off
   max_length 512 and 2048
 
-On the CPU the measure is the process's peak resident memory from the start of training (the `--device cpu` plan
-with its process line); on a GPU, torch.cuda.max_memory_allocated (the plan's tensors). Target: within 15%.
+On the CPU the measure is the process's peak resident memory, while the weights load and in the steps (the
+`--device cpu` plan: its loading line and its total; the target compares the higher of each); on a GPU,
+torch.cuda.max_memory_allocated in the steps (the plan's tensors). Target: within 15%.
 
 `--compare-trl` instead trains the 1B shape at max_length 4096 with LoRA twice, once through `finetune train` and
 once with TRL's SFTTrainer + PEFT with their defaults (same LoRA, the same conversations of 20 GSM8K exchanges,
@@ -60,7 +61,7 @@ def make_model(folder: Path, size: str) -> None:
                          rope_theta=500000.0, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, **SIZES[size])
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -86,17 +87,19 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
 
     from finetune.models import backends
     from finetune.models.loading import model_config
-    from finetune.recipe import devices, memory_plan
+    from finetune.recipe import devices, memory_plan, shapes
     from finetune.recipe.schema import load_recipe
     from finetune.training.probe import probe
 
     backends.import_first(recipe, overrides)
     loaded = load_recipe(recipe, overrides)
     here = devices.this_machine(cpu=not torch.cuda.is_available())
-    plan = memory_plan.plan(loaded, memory_plan.model_shape(model_config(loaded), loaded), here,
+    plan = memory_plan.plan(loaded, shapes.model_shape(model_config(loaded), loaded), here,
                             memory_plan.launch_of(None, 1), 1)
-    measured = probe(recipe, overrides).peak
-    return {"planned": plan.measurable(), "measured": measured}
+    measured = probe(recipe, overrides)
+    return {"planned": plan.measurable(), "measured": max(measured.peak, measured.loading),
+            "planned_steps": plan.tensors() if here.cuda else plan.total(), "measured_steps": measured.peak,
+            "planned_loading": plan.loading, "measured_loading": measured.loading}
 
 
 def run_case(recipe: Path, overrides: list[str]) -> dict:
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def sweep(out: Path, data: Path, args) -> list[dict]:
     results = []
-    print(f"{'size':<7} {'method':<10} {'ckpt':<5} {'length':>6} {'planned':>10} {'measured':>10} {'off':>7}", flush=True)
+    print(f"{'size':<7} {'method':<10} {'ckpt':<5} {'length':>6} {'steps: planned':>15} {'measured':>9} "
+          f"{'loading: planned':>17} {'measured':>9} {'peak: off':>10}", flush=True)
     for size in args.sizes.split(","):
         model = out / size
         make_model(model, size)
@@ -174,8 +178,10 @@ def sweep(out: Path, data: Path, args) -> list[dict]:
                     row = {"size": size, "method": method, "checkpointing": checkpointing, "max_length": length,
                            **result, "off": off, "within": abs(off) <= TARGET}
                     results.append(row)
+                    gib = {key: f"{value / 2**30:.2f}Gi" for key, value in result.items()}
                     print(f"{size:<7} {method:<10} {'on' if checkpointing else 'off':<5} {length:>6} "
-                          f"{row['planned'] / 2**30:>8.2f}Gi {row['measured'] / 2**30:>8.2f}Gi {off:>+7.1%}"
+                          f"{gib['planned_steps']:>15} {gib['measured_steps']:>9} {gib['planned_loading']:>17} "
+                          f"{gib['measured_loading']:>9} {off:>+10.1%}"
                           f"{'' if row['within'] else '  (outside the target)'}", flush=True)
         for path in model.iterdir():
             path.unlink()

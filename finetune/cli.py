@@ -267,8 +267,10 @@ def train_command(args) -> int:
         raise UserError("--num-workers, --gpus-per-worker, --address and --storage are for --engine ray")
     if not args.accelerate_config:
         from finetune.models import backends
+        from finetune.recipe.schema import load_recipe
 
         backends.import_first(args.recipe, args.overrides)
+        load_recipe(args.recipe, args.overrides)  # a recipe's own faults, said before the trainer's libraries load
         from finetune.training.run import run
 
         run(args.recipe, args.overrides, resume)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.recipe import devices, flops, memory_plan, time_plan
+from finetune.recipe import devices, flops, memory_plan, shapes, time_plan
 
 TOKENS_SOURCE = "from --tokens: rows of max_length, every token carrying loss"
 COMPARE = re.compile(r"^(?P<card>[a-z0-9-]+)x(?P<count>\d+)$")
@@ -36,7 +36,7 @@ def estimate_command(args) -> int:
         print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
               "(a10, h100, 48GB, ...) to plan for it", flush=True)
     config = model_config(recipe)
-    shape, layout = memory_plan.model_shape(config, recipe), flops.layout_of(config)
+    shape, layout = shapes.model_shape(config, recipe), flops.layout_of(config)
     work = _work(recipe, args.tokens)
     if launches:
         print(_comparison(recipe, shape, layout, work, launches, prices))
@@ -183,14 +183,21 @@ def _probe(args, recipe, shape, layout, work) -> time_plan.Speed | None:
     print(f"\nProbe: {PROBE_STEPS} training steps on {here.name}, one process, "
           f"{local.micro_batch} x {local.max_length} tokens ...", flush=True)
     measured = probe(args.recipe, args.overrides)
-    planned, what = local.measurable(), "torch.cuda.max_memory_allocated" if here.cuda else "peak resident memory"
-    print(f"Probe: measured {devices.format_bytes(measured.peak)} ({what}), planned "
-          f"{devices.format_bytes(planned)}: the plan is {(planned - measured.peak) / measured.peak:+.1%} off")
+    if here.cuda:
+        print(f"Probe: measured {_against(measured.peak, local.tensors())} (torch.cuda.max_memory_allocated)")
+    else:
+        print(f"Probe: peak resident memory {_against(measured.loading, local.loading)} while loading, "
+              f"{_against(measured.peak, local.total())} in the steps")
     if isinstance(work, str) or not measured.step_s:
         return None
     per_token = time_plan.flops_per_token(recipe, shape, layout, work[0])
     return time_plan.measured_speed(per_token * measured.tokens / measured.step_s,
                                     f"--probe: {measured.tokens:,} tokens in {measured.step_s:.2f} s here")
+
+
+def _against(measured: float, planned: float) -> str:
+    return (f"{devices.format_bytes(measured)} (planned {devices.format_bytes(planned)}, "
+            f"{(planned - measured) / measured:+.1%} off)")
 
 
 def _has_cuda() -> bool:

@@ -4,13 +4,14 @@ the `auto` micro-batch that keeps the global batch, and the probe beside it."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
-from finetune.recipe import devices, memory_plan
+from finetune.recipe import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
 from tests.conftest import REPO, run_cli, train_here, write_recipe
 
@@ -47,13 +48,35 @@ def recipe_for(tmp_path, *overrides: str):
 
 
 def test_parameter_counts_are_exact_from_the_config(tmp_path):
-    llama = memory_plan.model_shape(llama_3_2_3b(), recipe_for(tmp_path, "method=qlora"))
+    llama = shapes.model_shape(llama_3_2_3b(), recipe_for(tmp_path, "method=qlora"))
     assert llama.parameters == 3_212_749_824
     assert llama.adapter == 24_313_856  # r 16 on every linear layer: what PEFT trains
     assert llama.head == 0  # tied to the embedding
-    gpt_oss = memory_plan.model_shape(gpt_oss_20b(), recipe_for(tmp_path, "method=full"))
+    gpt_oss = shapes.model_shape(gpt_oss_20b(), recipe_for(tmp_path, "method=full"))
     assert gpt_oss.parameters == 20_914_757_184
     assert gpt_oss.experts == 24 * 32 * (2880 * 5760 + 2880 * 2880)
+
+
+def test_on_the_cpu_the_plan_counts_the_loading_peak_and_what_the_heap_keeps(tmp_path):
+    """The Llama-3.2-1B shape saved in bf16, as benchmarks/memory.py measures it: on the CPU the process's peak is
+    while loading (the fp32 weights built beside the mapped bf16 file), and QLoRA's dequantized weights stay
+    resident only below glibc's mmap threshold (the attention projections; not the 64 MiB MLP weights)."""
+    config = llama_3_2_3b(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
+                          dtype="bfloat16")
+    cpu, alone = devices.this_machine(cpu=True), memory_plan.launch_of(None, 1)
+    overrides = ["train.bf16=false", "train.max_length=512", "train.per_device_train_batch_size=1"]
+    lora = recipe_for(tmp_path, "method=lora", *overrides)
+    shape = shapes.model_shape(config, lora)
+    assert shape.parameters == 1_235_814_400 and shape.saved == 2 * shape.parameters
+    plan = memory_plan.plan(lora, shape, cpu, alone, 1)
+    process = next(line.fixed for line in plan.lines if line.what == "process")
+    assert plan.loading == shape.parameters * (4 + 2) + process
+    assert plan.measurable() == plan.loading > plan.total()
+    assert memory_plan.plan(lora, shape, devices.device_named("a10"), alone, 1).loading == 0
+    qlora = recipe_for(tmp_path, "method=qlora", *overrides)
+    plan = memory_plan.plan(qlora, shapes.model_shape(config, qlora), cpu, alone, 1)
+    dequantized = next(line for line in plan.lines if line.what == "4-bit dequantization")
+    assert dequantized.fixed == 16 * (2 * 2048 * 2048 + 2 * 512 * 2048) * 4
 
 
 def test_shipped_recipes_on_their_hardware(hub_cache):
@@ -90,7 +113,7 @@ def test_plan_follows_the_recipe(tmp_path):
     def total(*overrides, device="h100", processes=1, sharded=False):
         recipe = recipe_for(tmp_path, "train.max_length=4096", *overrides)
         key = (recipe.method, recipe.model.backend)
-        shape_of.setdefault(key, memory_plan.model_shape(gpt_oss_20b(), recipe))
+        shape_of.setdefault(key, shapes.model_shape(gpt_oss_20b(), recipe))
         launch = memory_plan.Launch(processes, sharded, "test")
         return memory_plan.plan(recipe, shape_of[key], devices.device_named(device), launch, 1).total()
 
@@ -108,7 +131,7 @@ def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_flo
     of an fp32 run. In bf16, which every GPU here has, it trains in bf16."""
     def activations(*overrides):
         recipe = recipe_for(tmp_path, "method=qlora", "model.backend=unsloth", "train.max_length=2048", *overrides)
-        planned = memory_plan.plan(recipe, memory_plan.model_shape(gpt_oss_20b(), recipe),
+        planned = memory_plan.plan(recipe, shapes.model_shape(gpt_oss_20b(), recipe),
                                    devices.device_named("a10"), memory_plan.Launch(1, False, "test"), 1)
         return next(line for line in planned.lines if line.what == "activations").per_row
 
@@ -120,7 +143,7 @@ def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_flo
 def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
     recipe = recipe_for(tmp_path, "train.per_device_train_batch_size=auto", "train.global_batch_size=16",
                         "train.max_length=2048", "method=qlora")
-    shape = memory_plan.model_shape(llama_3_2_3b(), recipe)
+    shape = shapes.model_shape(llama_3_2_3b(), recipe)
     launch = memory_plan.Launch(2, False, "DDP on 2 processes")
     card = devices.device_named("a10")
     fits = memory_plan.plan(recipe, shape, card, launch, 1).largest_micro_batch
@@ -158,8 +181,10 @@ def test_probe_measures_beside_the_plan():
     result = run_cli("estimate", "quickstart", "--probe")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("No CUDA GPU here: the plan is for this machine's CPU and memory")
-    probe = next(line for line in result.stdout.splitlines() if line.startswith("Probe: measured "))
-    assert "(peak resident memory), planned " in probe
+    probe = next(line for line in result.stdout.splitlines() if line.startswith("Probe: peak resident memory "))
+    assert re.fullmatch(r"Probe: peak resident memory [\d.]+ MiB \(planned [\d.]+ MiB, [+-][\d.]+% off\) while "
+                        r"loading, [\d.]+ MiB \(planned [\d.]+ MiB, [+-][\d.]+% off\) in the steps", probe), probe
+    assert "  while loading " in result.stdout
     assert "speed             measured: " in result.stdout and "--probe: " in result.stdout  # the time plan follows it
     # counts in units that fit a small model; the probe's scratch run says nothing of its own
     assert "624.5K parameters, fp32" in result.stdout and "0.00B" not in result.stdout
@@ -169,8 +194,6 @@ def test_probe_measures_beside_the_plan():
 @pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",
                                   "gpt-oss-20b-unsloth-qlora", "llama-3.2-3b-dpo-qlora", "llama-3.2-3b-grpo"])
 def test_recipe_headers_state_what_estimate_says(hub_cache, name):
-    import re
-
     from finetune.resources import find_recipe
 
     header = " ".join(line.lstrip("# ") for line in find_recipe(name).read_text().splitlines()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
-from finetune.recipe import devices, flops, memory_plan, time_plan
+from finetune.recipe import devices, flops, memory_plan, shapes, time_plan
 from finetune.recipe.schema import load_recipe, recipe_from_dict
 from tests.conftest import cli_here, train_here, write_recipe
 
@@ -44,7 +44,7 @@ def counted_step(config, method: str, checkpointing: bool, length: int, trained_
         hidden = base.model(input_ids=ids).last_hidden_state[0, trained_from:]
         loss = torch.nn.functional.cross_entropy(base.lm_head(hidden), torch.randint(0, 1000, (len(hidden),)))
         loss.backward()
-    shape = memory_plan.model_shape(config, planned_recipe)
+    shape = shapes.model_shape(config, planned_recipe)
     work = flops.Work(length, length - trained_from, (length,))
     return counter.get_total_flops(), flops.count(shape, flops.layout_of(config), method, checkpointing, work).total
 
@@ -74,7 +74,7 @@ def test_the_rules_of_thumb_are_shown_beside_the_count():
 
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)
-    shape = memory_plan.model_shape(config, recipe("full"))
+    shape = shapes.model_shape(config, recipe("full"))
     counted = flops.count(shape, flops.layout_of(config), "full", False, flops.Work(512, 512, (512,)))
     assert counted.rule_of_thumb == 6 * shape.parameters * 512
     windowed = flops.Layout(window=128, windowed_layers=4, experts=0)
@@ -94,7 +94,7 @@ def test_ddp_moves_the_gradients_of_what_trains_over_the_link():
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)
     a10 = devices.device_named("a10")
-    lora, full = (memory_plan.model_shape(config, recipe(method)) for method in ("lora", "full"))
+    lora, full = (shapes.model_shape(config, recipe(method)) for method in ("lora", "full"))
     ddp8 = memory_plan.launch_of(None, 8)
     exposed, note = time_plan._communication(lora, "lora", ddp8, a10, compute_s=1.0, backward_s=0.0)
     assert exposed == pytest.approx(2 * 7 / 8 * lora.adapter * 4 / (32e9 * time_plan.LINK_ACHIEVED))
@@ -108,7 +108,7 @@ def test_a_measured_bus_bandwidth_replaces_the_link_figure(capsys):
 
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)
-    lora = memory_plan.model_shape(config, recipe("lora"))
+    lora = shapes.model_shape(config, recipe("lora"))
     ddp4 = memory_plan.launch_of(None, 4)
     exposed, note = time_plan._communication(lora, "lora", ddp4, devices.device_named("cpu"), compute_s=1.0,
                                              backward_s=0.0, bus_bytes=2e9)
@@ -129,7 +129,7 @@ def test_qlora_dequantizes_every_4_bit_weight_at_the_cards_memory_bandwidth(caps
     for method in ("lora", "qlora"):
         planned = recipe(method, gradient_checkpointing=True, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4, max_steps=10, max_length=512)
-        shape = memory_plan.model_shape(config, planned)
+        shape = shapes.model_shape(config, planned)
         plans[method] = time_plan.plan_time(planned, shape, flops.layout_of(config), work, 8, None, a10, alone, 2,
                                             time_plan.assumed_speed(a10, "hf"))
     # forward, backward and the recomputed forward, each micro-step: 4.5 bytes of memory traffic per weight

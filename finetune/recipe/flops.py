@@ -44,7 +44,7 @@ class Work:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the count needs of a model besides memory_plan.Shape: which layers attend through a window."""
+    """What the count needs of a model besides shapes.Shape: which layers attend through a window."""
 
     window: int | None  # the sliding window, on the layers that have one
     windowed_layers: int

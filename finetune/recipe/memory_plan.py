@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from finetune.errors import UserError
 from finetune.recipe.devices import MIB, Device, format_bytes
+from finetune.recipe.shapes import Shape
 
 CUDA_CONTEXT = 600 * MIB  # the CUDA context and kernels of torch, cuBLAS and NCCL: outside torch's own counters
 ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out (fragmentation), of the tensors
@@ -23,6 +24,10 @@ ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out
 # tokenizer, whose size follows its vocabulary (measured: 850 MiB with Llama 3.2's 128k tokens)
 CPU_PROCESS = 580 * MIB
 CPU_PROCESS_PER_TOKEN = 2200  # bytes per vocabulary entry
+# glibc's malloc hands blocks above its mmap threshold (at most 32 MiB) back to the system when freed, and keeps
+# smaller ones in its heap: bitsandbytes' dequantized weights on the CPU, one per Linear and pass, stay resident up
+# to that size (measured: the Llama-3.2-1B shape's attention projections do, its 64 MiB MLP weights do not)
+HEAP_BLOCK = 32 * MIB
 TIGHT = 0.9  # above this share of the device a plan is "tight": fragmentation or a longer batch can tip it over
 
 # Optimizer state bytes per trainable parameter (fp32 master parameters).
@@ -58,80 +63,6 @@ def launch_of(accelerate_config: dict | None, processes: int | None = None) -> L
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the plan needs of a model: exact parameter counts by kind, and the sizes activations follow."""
-    model_type: str
-    layers: int
-    hidden: int
-    q_width: int  # heads x head_dim
-    kv_width: int
-    heads: int
-    intermediate: int  # of the dense MLP, or of one expert
-    experts_per_token: int  # 0 for dense models
-    vocab: int
-    embedding: int  # parameters
-    head: int  # 0 when tied to the embedding
-    linear: int  # weights of nn.Linear layers in the decoder (what 4-bit quantization replaces)
-    experts: int  # MoE expert weights (3D parameters)
-    other: int  # norms, biases, routers, sinks
-    largest_layer: int  # parameters of one decoder layer
-    largest_linear: int
-    adapted_inputs: tuple[int, ...]  # in_features of each LoRA-adapted Linear in one layer
-    adapter: int  # trainable parameters of the LoRA adapter (0 for full fine-tuning)
-
-    @property
-    def parameters(self) -> int:
-        return self.embedding + self.head + self.linear + self.experts + self.other
-
-
-def model_shape(config, recipe) -> Shape:
-    """Counts from the model built on the meta device (no memory, no download), with the recipe's adapter."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-    text = config.get_text_config()
-    embedding = model.get_input_embeddings().weight.numel()
-    output = model.get_output_embeddings()
-    head = 0 if output is None or output.weight is model.get_input_embeddings().weight else output.weight.numel()
-    decoder_layers = model.get_decoder().layers
-    linear_weights = {id(m.weight): m.weight.numel() for m in decoder_layers.modules() if isinstance(m, torch.nn.Linear)}
-    experts = sum(p.numel() for name, p in decoder_layers.named_parameters() if p.dim() == 3 and "experts" in name)
-    total = sum(p.numel() for p in model.parameters())
-    first = decoder_layers[0]
-    largest_linear = max(linear_weights.values())
-    adapted, adapter = _adapter(model, recipe)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return Shape(
-        model_type=text.model_type, layers=len(decoder_layers), hidden=text.hidden_size, q_width=heads * head_dim,
-        kv_width=getattr(text, "num_key_value_heads", heads) * head_dim, heads=heads,
-        intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size,
-        experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0, vocab=text.vocab_size,
-        embedding=embedding, head=head, linear=sum(linear_weights.values()), experts=experts,
-        other=total - embedding - head - sum(linear_weights.values()) - experts,
-        largest_layer=sum(p.numel() for p in first.parameters()), largest_linear=largest_linear,
-        adapted_inputs=adapted, adapter=adapter,
-    )
-
-
-def _adapter(model, recipe) -> tuple[tuple[int, ...], int]:
-    """(in_features of the adapted Linears of layer 0, trainable adapter parameters) as PEFT builds them."""
-    if recipe.method == "full":
-        return (), 0
-    from peft import get_peft_model
-    from peft.tuners.lora import Linear as LoraLinear
-
-    from finetune.models.loading import lora_config
-
-    peft_model = get_peft_model(model, lora_config(recipe))
-    first = peft_model.get_base_model().get_decoder().layers[0]
-    adapted = tuple(m.in_features for m in first.modules() if isinstance(m, LoraLinear))
-    return adapted, sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-
-
-@dataclass(frozen=True)
 class Line:
     what: str
     fixed: float  # bytes whatever the micro-batch
@@ -152,6 +83,9 @@ class Plan:
     parameters: int = 0  # of the model
     trainable: int = 0  # the adapter's, or the model's for a full fine-tune
     lines: list[Line] = field(default_factory=list)
+    # On the CPU: the resident peak while the weights load, the checkpoint file mapped beside them (file pages the
+    # kernel may reclaim, which the steps' plan does not need, but which the process's peak resident memory counts)
+    loading: float = 0.0
 
     def total(self, rows: int | None = None) -> float:
         return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines)
@@ -161,8 +95,9 @@ class Plan:
         return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines if line.allocated)
 
     def measurable(self) -> float:
-        """What `--probe` measures of it: torch's allocated peak on a GPU, the whole process on the CPU."""
-        return self.tensors() if self.device.cuda else self.total()
+        """What `--probe` measures of it: torch's allocated peak on a GPU, the process's peak resident memory on the
+        CPU (while loading or while training, whichever is higher)."""
+        return self.tensors() if self.device.cuda else max(self.total(), self.loading)
 
     @property
     def largest_micro_batch(self) -> int:
@@ -213,7 +148,8 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     trainable = shape.adapter if recipe.method != "full" else shape.parameters
     plan_ = Plan(device, launch, rows, length, shape.parameters, trainable)
     add = plan_.lines.append
-    add(_weights(shape, recipe, compute, shard))
+    weights = _weights(shape, recipe, compute, shard)
+    add(weights)
     optimizer_bytes = OPTIMIZER_BYTES.get(optim, 8)  # others: counted as AdamW
     kind = "adapter" if recipe.method != "full" else "trained weights"
     parameter_bytes = 0 if recipe.method == "full" else 4  # a full fine-tune's parameters are the weights above
@@ -247,8 +183,10 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
     elif recipe.method == "qlora":
-        add(Line("4-bit dequantization", shape.linear * compute / shard,
-                 note="bitsandbytes on the CPU keeps the dequantized weights"))
+        kept = [weights for weights in shape.layer_linears if weights * compute <= HEAP_BLOCK]
+        add(Line("4-bit dequantization", shape.layers * sum(kept) * compute / shard,
+                 note=f"dequantized weights up to {HEAP_BLOCK // MIB} MiB ({len(kept)} of {len(shape.layer_linears)} "
+                      "a layer) stay in the C heap"))
     if device.cuda:
         add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters",
                  allocated=False))
@@ -256,8 +194,9 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
         add(Line("allocator slack", tensors(0) * ALLOCATOR_SLACK, (tensors(1) - tensors(0)) * ALLOCATOR_SLACK,
                  note=f"cached blocks the allocator cannot reuse, about {ALLOCATOR_SLACK:.0%}", allocated=False))
     else:
-        add(Line("process", CPU_PROCESS + CPU_PROCESS_PER_TOKEN * shape.vocab,
-                 note="Python, the libraries, the tokenizer and the data", allocated=False))
+        process = CPU_PROCESS + CPU_PROCESS_PER_TOKEN * shape.vocab
+        add(Line("process", process, note="Python, the libraries, the tokenizer and the data", allocated=False))
+        plan_.loading = weights.fixed + shape.saved / shard + process
     return plan_
 
 
@@ -375,6 +314,9 @@ def describe(plan_: Plan, recipe_name: str) -> str:
     lines += ["  " + "-" * (width + 11),
               f"  {'total':<{width}}  {format_bytes(total):>9}  of {format_bytes(capacity)} ({total / capacity:.0%}): {plan_.verdict}",
               ""]
+    if plan_.loading:
+        lines[-1:-1] = [f"  {'while loading':<{width}}  {format_bytes(plan_.loading):>9}  the weights, the checkpoint "
+                        "file mapped beside them (file pages the kernel can reclaim) and the process"]
     largest = plan_.largest_micro_batch
     if largest:
         lines.append(f"Largest micro-batch that fits at max_length {plan_.max_length}: {largest}"

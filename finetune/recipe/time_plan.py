@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from finetune import run_folder
-from finetune.recipe import flops, memory_plan
+from finetune.recipe import flops, shapes
 from finetune.recipe.devices import Device, format_bytes
 
 # The share of a card's dense bf16 peak that training reaches (model FLOPs utilization), by backend. Assumed: a
@@ -103,7 +103,7 @@ def plan_of_run(recipe, config, data, device: Device, launch, micro_batch: int, 
     does not count."""
     if recipe.stage != "sft":
         return None
-    shape, layout = memory_plan.model_shape(config, recipe), flops.layout_of(config)
+    shape, layout = shapes.model_shape(config, recipe), flops.layout_of(config)
     epoch = work_of(data.train)
     speed = speed_of_past_runs(recipe, flops_per_token(recipe, shape, layout, epoch)) or assumed_speed(device, backend)
     if speed is None:

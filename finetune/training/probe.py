@@ -1,9 +1,9 @@
 """Measure what a plan predicts: real training steps, the peak memory they reach on this machine and how fast the
 last of them runs.
 
-On a GPU the peak is torch's `max_memory_allocated` (the plan's tensors, without the CUDA context and the
-allocator's slack); on the CPU it is the process's peak resident memory (the plan's total), counted from the start
-of training, so loading the weights does not count.
+On a GPU the peak is torch's `max_memory_allocated` in the steps (the plan's tensors, without the CUDA context and
+the allocator's slack); on the CPU the process's peak resident memory twice: while the weights load (the plan's
+`loading`) and from the start of training (the plan's total).
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def _reset_resident_peak() -> None:
 
 
 class PeakMemory(TrainerCallback):
-    """The peak memory of training steps: `peak` after training (bytes)."""
+    """The peak memory of training steps, `peak` after training, and on the CPU the resident peak before them,
+    `loading` (bytes)."""
 
     def __init__(self):
-        self.peak = 0
+        self.peak = self.loading = 0
         self.cuda = False
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -47,6 +48,7 @@ class PeakMemory(TrainerCallback):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
+            self.loading = _resident_peak()
             _reset_resident_peak()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -76,7 +78,8 @@ class StepSpeed(TrainerCallback):
 
 @dataclass(frozen=True)
 class Probed:
-    peak: int  # bytes
+    peak: int  # bytes, in the steps
+    loading: int  # bytes, before the steps (the CPU's resident memory; 0 on a GPU)
     step_s: float  # the last step, after the first warmed up
     tokens: int  # of that step
 
@@ -94,4 +97,4 @@ def probe(recipe_path: str, overrides: list[str]) -> Probed:
                               "train.report_to=none", "train.logging_steps=1"], callbacks=(meter, speed))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return Probed(meter.peak, speed.seconds, speed.tokens)
+    return Probed(meter.peak, meter.loading, speed.seconds, speed.tokens)

@@ -24,7 +24,7 @@ from finetune.data.report import describe_data
 from finetune.errors import RunFailed, UserError
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
-from finetune.recipe import devices, memory_plan, rewards, time_plan
+from finetune.recipe import devices, memory_plan, rewards, shapes, time_plan
 from finetune.recipe.schema import load_recipe
 from finetune.recipe.train_section import trains_on_cpu
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, planned, read_rows
@@ -356,7 +356,7 @@ def _batch_split(recipe, state) -> tuple[int, int]:
     if not recipe.auto_micro_batch:
         return recipe.batch_split(state.num_processes)
     device, launch = devices.this_machine(trains_on_cpu(recipe.train)), _launch(state)
-    shape = memory_plan.model_shape(model_config(recipe), recipe)
+    shape = shapes.model_shape(model_config(recipe), recipe)
     chosen = torch.tensor([memory_plan.micro_batch_of(recipe, device, launch, shape)], device=state.device)
     if state.num_processes > 1:
         torch.distributed.all_reduce(chosen, op=torch.distributed.ReduceOp.MIN)  # one split on unlike devices
