@@ -3,13 +3,15 @@
 Each case plans with `finetune estimate RECIPE --device cpu --probe` (two probe steps measure this machine's speed
 on the recipe's longest batch; the plan counts the FLOPs of every step from the prepared data), then trains with
 `finetune train` and takes the trainer's elapsed time from progress.jsonl (loading the model and preparing the data
-come before it, as in the plan). Cases, one process each:
+come before it, as in the plan). Cases:
 
-  quickstart      the README's quickstart: full fine-tune of the builtin tiny Llama, packed rows of 256 tokens
-  bench-lora-512  the throughput benchmark's model (Llama architecture, 37M parameters, the real Llama 3.2
-                  tokenizer) with LoRA on GSM8K, packed rows of 512 tokens
-  bench-full-512  the same, full fine-tuning
-  bench-lora-1024 LoRA at 1024 tokens
+  quickstart           the README's quickstart: full fine-tune of the builtin tiny Llama, packed rows of 256 tokens
+  bench-lora-512       the throughput benchmark's model (Llama architecture, 37M parameters, the real Llama 3.2
+                       tokenizer) with LoRA on GSM8K, packed rows of 512 tokens
+  bench-full-512       the same, full fine-tuning
+  bench-lora-1024      LoRA at 1024 tokens
+  quickstart-ddp2      the quickstart on two DDP processes (accelerate_configs/cpu_ddp_2proc), which share the cores
+  bench-lora-512-ddp2  bench-lora-512 on two DDP processes
 
 Target: the planned run time within 20% of the measured one. The FLOP count itself is checked against
 torch.utils.flop_counter in tests/test_time_plan.py.
@@ -40,7 +42,10 @@ CASES = {
     "bench-lora-512": ["BENCH", "method=lora", "train.max_length=512", "train.max_steps=20", *BENCH],
     "bench-full-512": ["BENCH", "method=full", "train.max_length=512", "train.max_steps=15", *BENCH],
     "bench-lora-1024": ["BENCH", "method=lora", "train.max_length=1024", "train.max_steps=8", *BENCH],
+    "quickstart-ddp2": ["quickstart"],
+    "bench-lora-512-ddp2": ["BENCH", "method=lora", "train.max_length=512", "train.max_steps=10", *BENCH],
 }
+LAUNCHES = {name: ["--accelerate-config", "cpu_ddp_2proc"] for name in CASES if name.endswith("-ddp2")}
 TARGET = 0.20
 RUN_TIME = re.compile(r"run time\s+(?:(\d+)h(\d+)m|(\d+)m(\d+)s)")
 
@@ -63,9 +68,10 @@ def run_case(name: str, folder: Path, bench_recipe: Path, steps: int | None) -> 
         recipe = str(bench_recipe)
     if steps:
         overrides.append(f"train.max_steps={steps}")
-    plan = finetune("estimate", recipe, *overrides, "--device", "cpu", "--probe", cwd=folder)
+    launch = LAUNCHES.get(name, [])
+    plan = finetune("estimate", recipe, *overrides, *launch, "--device", "cpu", "--probe", cwd=folder)
     run = folder / f"run-{name}"
-    finetune("train", recipe, *overrides, f"output_dir={run}", cwd=folder)
+    finetune("train", recipe, *overrides, f"output_dir={run}", *launch, cwd=folder)
     rows = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
     measured = max(row["elapsed_s"] for row in rows if "elapsed_s" in row)
     planned = planned_seconds(plan)

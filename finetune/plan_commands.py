@@ -47,8 +47,9 @@ def estimate_command(args) -> int:
     speed = time_plan.assumed_speed(device, _backend(recipe, device))
     if args.probe:
         speed = _probe(args, recipe, shape, layout, work) or speed
-    elif not args.gpu and launch.processes == 1 and not isinstance(work, str):
-        speed = time_plan.speed_of_past_runs(recipe, time_plan.flops_per_token(recipe, shape, layout, work[0])) or speed
+    elif not args.gpu and not isinstance(work, str):
+        per_token = time_plan.flops_per_token(recipe, shape, layout, work[0])
+        speed = time_plan.speed_of_past_runs(recipe, per_token, device) or speed
     print()
     if isinstance(work, str):
         print(f"Time and cost: not planned: {work}")

@@ -198,6 +198,25 @@ def test_a_finished_run_of_the_recipe_gives_this_machines_speed(capsys, tmp_path
     assert tokens_per_s.split()[1] == "1,100"  # the plan runs at the speed the run measured
 
 
+def test_processes_on_one_cpu_share_the_speed_a_run_measured_there(capsys, tmp_path):
+    """A DDP run on this CPU logged the machine's tokens/s, its two processes sharing the cores: a plan here on one
+    process or on two runs at that speed (two, less their all-reduce), never at twice it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 20, "loss": 1.0, "tokens_per_second": 50.0},
+            {"step": 20, "resumed": {"from": "checkpoint-20", "processes": 2, "at": 0}},
+            *({"step": step, "loss": 1.0, "tokens_per_second": 1000.0} for step in (40, 60))]
+    (run / "progress.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    in_all = {}
+    for processes, launch in ((1, []), (2, ["--accelerate-config", "cpu_ddp_2proc"])):
+        code, out, err = cli_here(capsys, "estimate", "quickstart", f"output_dir={run}", "--device", "cpu", *launch)
+        assert code == 0, err
+        assert f"({run}: 1,000 tokens/s (2 processes sharing the CPU) in its progress.jsonl)" in out
+        line = next(line for line in out.splitlines() if line.lstrip().startswith("tokens/s")).split()
+        in_all[processes] = float(line[4].replace(",", ""))
+    assert in_all[1] == 1000 and 900 < in_all[2] <= 1000
+
+
 def test_a_run_plans_its_time_from_the_run_before_it_and_the_live_tab_sets_the_plan_beside_the_eta(tmp_path, capsys):
     from finetune.run_folder import read_rows
     from finetune.ui.live_tab import status_card

@@ -46,7 +46,7 @@ DEQUANTIZE_BYTES = 0.5 + 2 + 2
 
 @dataclass(frozen=True)
 class Speed:
-    flops_per_s: float  # per device
+    flops_per_s: float  # per device (a CPU is one device, whose cores its processes share)
     source: str  # where the figure comes from, as the plan prints it
     assumed: bool  # a share of the peak, to which the optimizer and per-step overheads add; a measure has them
 
@@ -105,7 +105,8 @@ def plan_of_run(recipe, config, data, device: Device, launch, micro_batch: int, 
         return None
     shape, layout = shapes.model_shape(config, recipe), flops.layout_of(config)
     epoch = work_of(data.train)
-    speed = speed_of_past_runs(recipe, flops_per_token(recipe, shape, layout, epoch)) or assumed_speed(device, backend)
+    speed = speed_of_past_runs(recipe, flops_per_token(recipe, shape, layout, epoch), device) or \
+        assumed_speed(device, backend)
     if speed is None:
         return None
     evaluation = work_of(data.eval) if data.eval is not None else None
@@ -117,10 +118,10 @@ def flops_per_token(recipe, shape, layout: flops.Layout, epoch: flops.Work) -> f
     return flops.count(shape, layout, recipe.method, checkpointing, epoch).per_token
 
 
-def speed_of_past_runs(recipe, flops_per_token: float) -> Speed | None:
+def speed_of_past_runs(recipe, flops_per_token: float, device: Device) -> Speed | None:
     """This machine's speed as a run measured it: the run in output_dir (one being resumed), else the newest run
-    beside it of the same model and method. The median of its logged tokens/s per device, the first interval (its
-    warm-up) left out."""
+    beside it of the same model and method. The median of its logged tokens/s, the first interval (its warm-up) left
+    out: per GPU, or on the CPU the whole machine's (its processes shared the cores)."""
     here = Path(recipe.output_dir)
     beside = sorted((path.parent for path in here.parent.glob(f"*/{run_folder.PROGRESS_NAME}")
                      if path.parent != here and _same_model(recipe, path.parent)),
@@ -130,8 +131,9 @@ def speed_of_past_runs(recipe, flops_per_token: float) -> Speed | None:
         rates = [row["tokens_per_second"] for row in run_folder.training_rows(rows)[1:] if row.get("tokens_per_second")]
         if rates:
             processes = _processes(rows)
-            rate = statistics.median(rates) / processes
-            where = f"{run}: {rate:,.0f} tokens/s" + (" per process" if processes > 1 else "") + " in its progress.jsonl"
+            rate = statistics.median(rates) / (processes if device.cuda else 1)
+            how = "" if processes == 1 else " per process" if device.cuda else f" ({processes} processes sharing the CPU)"
+            where = f"{run}: {rate:,.0f} tokens/s{how} in its progress.jsonl"
             return measured_speed(flops_per_token * rate, where)
     return None
 
@@ -170,7 +172,9 @@ def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int,
     epochs = steps * global_rows / rows
     checkpointing = bool(settings.get("gradient_checkpointing"))
     run = flops.count(shape, layout, recipe.method, checkpointing, train).times(epochs)
-    compute_s = run.total / steps / launch.processes / speed.flops_per_s
+    # Processes on one CPU share its cores (and its measured speed); each GPU has its own
+    flops_per_s = speed.flops_per_s / (1 if device.cuda else launch.processes)
+    compute_s = run.total / steps / launch.processes / flops_per_s
     notes = []
     dequantize_s = 0.0
     if speed.assumed:  # a measured speed has these in it
@@ -179,12 +183,12 @@ def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int,
             dequantize_s, note = _dequantization(shape, checkpointing, device, accumulation)
             compute_s += dequantize_s
             notes.append(note)
-    backward_s = run.backward / steps / launch.processes / speed.flops_per_s / accumulation  # the last micro-step
+    backward_s = run.backward / steps / launch.processes / flops_per_s / accumulation  # the last micro-step
     communication_s = 0.0
     if launch.processes > 1:
         communication_s, note = _communication(shape, recipe.method, launch, device, compute_s, backward_s, bus_bytes)
         notes.append(note)
-    evaluation_s = _evaluation_s(recipe, shape, layout, evaluation, steps, launch.processes, speed)
+    evaluation_s = _evaluation_s(recipe, shape, layout, evaluation, steps, launch.processes, flops_per_s)
     checkpoint_s, note = _checkpoints(recipe, shape, steps)
     notes.append(note)
     return TimePlan(steps, run.tokens, run, speed, compute_s, dequantize_s, communication_s, evaluation_s,
@@ -246,14 +250,14 @@ def _communication(shape, method: str, launch, device: Device, compute_s: float,
 
 
 def _evaluation_s(recipe, shape, layout, evaluation: flops.Work | None, steps: int, processes: int,
-                  speed: Speed) -> float:
+                  flops_per_s: float) -> float:
     settings = recipe.train
     if evaluation is None or settings.get("eval_strategy", "steps") == "no":
         return 0.0
     every = int(settings.get("eval_steps") or steps)
     count = steps // every + (1 if settings.get("eval_on_start") else 0)
     forward = flops.count(shape, layout, recipe.method, False, evaluation).forward
-    return count * forward / processes / speed.flops_per_s
+    return count * forward / processes / flops_per_s
 
 
 def _checkpoints(recipe, shape, steps: int) -> tuple[float, str]:
