@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.cases.split(","):
             results.append(run_case(name, folder, bench_recipe, args.steps))
             result = results[-1]
-            print(f"{name:<16} planned {result['planned_s']:>7,.0f} s  measured {result['measured_s']:>7,.1f} s  "
+            print(f"{name:<20} planned {result['planned_s']:>7,.0f} s  measured {result['measured_s']:>7,.1f} s  "
                   f"off {result['off']:+.1%}  ({result['speed']})", flush=True)
     missed = [r["case"] for r in results if abs(r["off"]) > TARGET]
     print(f"\ntarget: within {TARGET:.0%}; " + (f"missed: {', '.join(missed)}" if missed else "all within"))

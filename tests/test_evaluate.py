@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, asset, cli_here, run_cli
+from tests.conftest import REPO, asset, cli_here, run_cli, train_here
 
 
 def test_gsm8k_answers_extract_to_the_number_after_the_marks():
@@ -95,8 +95,8 @@ def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path, 
                       "train.logging_steps=75", f"output_dir={runs['with_end']}", "train.report_to=[tensorboard,mlflow]",
                       f"mlflow.tracking_uri=sqlite:///{tmp_path / 'ml.db'}")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    trained = run_cli("train", "quickstart", *short, "train.max_steps=30", "train.eval_steps=15",
-                      "train.logging_steps=15", f"output_dir={runs['without_end']}", f"model.chat_template={template}")
+    trained = train_here("quickstart", *short, "train.max_steps=30", "train.eval_steps=15", "train.logging_steps=15",
+                         f"output_dir={runs['without_end']}", f"model.chat_template={template}")
     assert trained.returncode == 0, trained.stderr[-3000:]
 
     for name, run in runs.items():
@@ -124,7 +124,7 @@ def test_a_model_that_never_learned_its_end_token_has_a_low_stop_rate(tmp_path, 
     assert scores["without_end"]["stop_rate"] <= 0.1 and scores["without_end"]["mean_length"] == 32.0, scores
 
 
-def test_eval_refusals_name_what_to_fix(tmp_path):
+def test_eval_refusals_name_what_to_fix(tmp_path, capsys):
     bad = [
         (["eval", str(tmp_path / "missing"), "--data", "x.jsonl"], "does not exist"),
         (["eval", str(tmp_path), "--extract", "nearest"], "--extract nearest: choose one of"),
@@ -132,8 +132,8 @@ def test_eval_refusals_name_what_to_fix(tmp_path):
         (["eval", str(tmp_path), "--batch-size", "0"], "must be at least 1"),
     ]
     for argv, message in bad:
-        result = run_cli(*argv)
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+        code, _, err = cli_here(capsys, *argv)
+        assert code == 2 and message in err and "Traceback" not in err, err
 
 
 @pytest.mark.integration

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import EQUAL_BATCH_EPOCH, SHORT, run_cli
+from tests.conftest import EQUAL_BATCH_EPOCH, SHORT, cli_here
 from tests.test_training import adapter, losses, progress
 
 pytestmark = pytest.mark.integration
@@ -47,12 +47,12 @@ def test_two_ray_workers_train_like_ddp_and_survive_a_killed_worker(equal_batch_
     assert json.loads(pointer.read_text()) == {"checkpoint": str(run / "checkpoint-10")}
 
 
-def test_ray_options_are_checked_before_anything_starts(tmp_path):
-    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", "--num-workers", "2")
-    assert result.returncode == 2
-    assert "--num-workers, --gpus-per-worker, --address and --storage are for --engine ray" in result.stderr
-    result = run_cli("train", "quickstart", f"output_dir={tmp_path / 'run'}", "--engine", "ray", "--num-workers", "0")
-    assert result.returncode == 2 and "--num-workers must be at least 1" in result.stderr
+def test_ray_options_are_checked_before_anything_starts(tmp_path, capsys):
+    code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={tmp_path / 'run'}", "--num-workers", "2")
+    assert code == 2 and "--num-workers, --gpus-per-worker, --address and --storage are for --engine ray" in err
+    code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={tmp_path / 'run'}", "--engine", "ray",
+                            "--num-workers", "0")
+    assert code == 2 and "--num-workers must be at least 1" in err
     assert not (tmp_path / "run").exists()
 
 

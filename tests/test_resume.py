@@ -139,14 +139,14 @@ def test_killed_again_and_again_the_run_ends_as_if_never_interrupted(uninterrupt
     assert max((reference[key] - resumed_weights[key]).abs().max().item() for key in reference) <= 1e-6
 
 
-def test_a_different_process_count_resumes_with_the_same_global_batch(uninterrupted, data, tmp_path):
+def test_a_different_process_count_resumes_with_the_same_global_batch(uninterrupted, data, tmp_path, capsys):
     run = tmp_path / "run"
     kill_at_fault(ddp_train(run, data, faults="pause@step:4"), run)
     common = ["train", "quickstart", f"data.train={data}", f"output_dir={run}", *SETTINGS, "--resume"]
-    refused = run_cli(*common)  # one process, 2 x 2: a global batch of 4, not 8
-    assert refused.returncode == 2
+    code, _, err = cli_here(capsys, *common)  # one process, 2 x 2: a global batch of 4, not 8
+    assert code == 2
     assert "the global batch would be 4 (1 processes x per-device batch 2 x 2 accumulation steps) but the run's " \
-           "is 8 (2 x 2 x 2)" in refused.stderr
+           "is 8 (2 x 2 x 2)" in err
     resumed = run_cli(*common, "train.per_device_train_batch_size=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "note: the run trained on 2 processes and continues on 1, with the same global batch (8)" in resumed.stdout
