@@ -183,7 +183,7 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
     elif recipe.method == "qlora":
-        kept = [weights for weights in shape.layer_linears if weights * compute <= HEAP_BLOCK]
+        kept = [size for size in shape.layer_linears if size * compute <= HEAP_BLOCK]
         add(Line("4-bit dequantization", shape.layers * sum(kept) * compute / shard,
                  note=f"dequantized weights up to {HEAP_BLOCK // MIB} MiB ({len(kept)} of {len(shape.layer_linears)} "
                       "a layer) stay in the C heap"))
