@@ -74,10 +74,11 @@ def _offline_by_setting() -> bool:
 
 
 def _cached(name: str, kind: str) -> bool:
-    from huggingface_hub import CacheNotFound, scan_cache_dir
+    from huggingface_hub import CacheNotFound, constants, scan_cache_dir
 
-    try:
-        return any(repo.repo_id == name and repo.repo_type == kind for repo in scan_cache_dir().repos)
+    try:  # the cache named where the downloads read it: scan_cache_dir's default is a copy taken at its import
+        return any(repo.repo_id == name and repo.repo_type == kind
+                   for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos)
     except CacheNotFound:
         return False
 

@@ -3,7 +3,6 @@ the `auto` micro-batch that keeps the global batch, and the probe beside it."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
 from finetune.recipe import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
-from tests.conftest import REPO, run_cli, train_here, write_recipe
+from tests.conftest import REPO, cli_here, run_cli, train_here, write_recipe
 
 HUB_MODELS = {
     "unsloth/Llama-3.2-3B-Instruct": llama_3_2_3b,
@@ -24,7 +23,7 @@ HUB_MODELS = {
 
 
 @pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory):
+def hub_configs(tmp_path_factory) -> Path:
     """A Hugging Face cache holding only the configs of the shipped recipes' models, as `hf download` leaves them."""
     root = tmp_path_factory.mktemp("hub-cache")
     commit = "0" * 40
@@ -33,13 +32,30 @@ def hub_cache(tmp_path_factory):
         (folder / "refs").mkdir(parents=True)
         (folder / "refs" / "main").write_text(commit)
         make_config().save_pretrained(folder / "snapshots" / commit)
-    return {**os.environ, "HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+    return root
 
 
-def estimate(hub_cache, *args: str) -> str:
-    result = run_cli("estimate", *args, env=hub_cache, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+@pytest.fixture
+def hub_cache(hub_configs, monkeypatch) -> Path:
+    """That cache, offline, for the commands a test runs in this process: the environment and the values the Hugging
+    Face libraries read from it when imported (restored after the test)."""
+    import sys
+
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_configs))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_configs))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if "datasets.config" in sys.modules:
+        monkeypatch.setattr(sys.modules["datasets.config"], "HF_HUB_OFFLINE", True)
+    return hub_configs
+
+
+def estimate(capsys, *args: str) -> str:
+    code, out, err = cli_here(capsys, "estimate", *args)
+    assert code == 0, err[-3000:]
+    return out
 
 
 def recipe_for(tmp_path, *overrides: str):
@@ -79,31 +95,31 @@ def test_on_the_cpu_the_plan_counts_the_loading_peak_and_what_the_heap_keeps(tmp
     assert dequantized.fixed == 16 * (2 * 2048 * 2048 + 2 * 512 * 2048) * 4
 
 
-def test_shipped_recipes_on_their_hardware(hub_cache):
-    qlora = estimate(hub_cache, "llama-3.2-3b-unsloth-qlora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
+def test_shipped_recipes_on_their_hardware(hub_cache, capsys):
+    qlora = estimate(capsys, "llama-3.2-3b-unsloth-qlora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
     assert "NVIDIA A10 24 GB, DDP on 8 processes" in qlora and ": fits" in qlora
     assert "2.82B in NF4" in qlora and "DDP gradient buckets" in qlora
     # the counts a user checks against the model card, as PEFT's print_trainable_parameters gives them
     assert "Parameters: the model 3,212,749,824; trainable params: 24,313,856 || all params: 3,237,063,680 || " \
            "trainable%: 0.7511" in qlora, qlora
 
-    on_a10 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
+    on_a10 = estimate(capsys, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "ddp_8xa10")
     assert ": does not fit" in on_a10 and "Not even one row of 2048 tokens fits: shard the model" in on_a10
-    on_h100 = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "h100", "--accelerate-config", "ddp_8xh100")
+    on_h100 = estimate(capsys, "gpt-oss-20b-lora", "--gpu", "h100", "--accelerate-config", "ddp_8xh100")
     assert ": fits" in on_h100 and "eager attention" in on_h100 and "MXFP4 experts dequantized" in on_h100
 
     # the README's comparison: one row per launch, the cost from the user's prices
-    prices = hub_cache["HF_HUB_CACHE"] + "/../prices.yaml"
+    prices = str(hub_cache.parent / "prices.yaml")
     Path(prices).write_text("a10: 1.10\nh100: 3.50\nh200: 4.00\n")
     command = next(line for line in (REPO / "README.md").read_text().splitlines()
                    if line.startswith("finetune estimate") and "--compare " in line)
-    compared = estimate(hub_cache, *command.split()[2:-1], prices)
+    compared = estimate(capsys, *command.split()[2:-1], prices)
     rows = {line.split()[0]: line.split() for line in compared.splitlines()
             if line.split()[:1] in (["a10x8"], ["h100x8"], ["h200x1"])}
     assert len(rows) == 3 and all(row[1] == "yes" and row[-1].startswith("$") for row in rows.values())
 
     # FSDP shards the bf16 weights over the 8 cards, and then the 20B model fits on A10s
-    sharded = estimate(hub_cache, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "fsdp2_8gpu")
+    sharded = estimate(capsys, "gpt-oss-20b-lora", "--gpu", "a10", "--accelerate-config", "fsdp2_8gpu")
     assert "FSDP on 8 processes" in sharded and ": fits" in sharded and "gathered layer" in sharded
 
 
@@ -169,11 +185,11 @@ def test_training_with_auto_micro_batch(tmp_path):
     assert line.endswith("= global batch 8") and "8 rows of 256 tokens per process" in line
 
 
-def test_a_hub_model_whose_config_is_not_here(tmp_path):
-    result = run_cli("estimate", "quickstart", "model.name_or_path=nobody/not-downloaded", "--gpu", "a10",
-                     env={**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "'nobody/not-downloaded' is not a local folder, it is not in the local Hugging Face cache" in result.stderr
+def test_a_hub_model_whose_config_is_not_here(hub_cache, capsys):
+    code, _, err = cli_here(capsys, "estimate", "quickstart", "model.name_or_path=nobody/not-downloaded", "--gpu",
+                            "a10")
+    assert code == 2 and "Traceback" not in err
+    assert "'nobody/not-downloaded' is not a local folder, it is not in the local Hugging Face cache" in err
 
 
 def test_probe_measures_beside_the_plan():
@@ -193,14 +209,14 @@ def test_probe_measures_beside_the_plan():
 
 @pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",
                                   "gpt-oss-20b-unsloth-qlora", "llama-3.2-3b-dpo-qlora", "llama-3.2-3b-grpo"])
-def test_recipe_headers_state_what_estimate_says(hub_cache, name):
+def test_recipe_headers_state_what_estimate_says(hub_cache, capsys, name):
     from finetune.resources import find_recipe
 
     header = " ".join(line.lstrip("# ") for line in find_recipe(name).read_text().splitlines()
                       if line.startswith("#"))
     claim = re.search(r"`finetune estimate ([^`]+)`: ([\d.]+) GiB of ([\d.]+)", header)
     assert claim, f"{name}'s header gives no figure from finetune estimate"
-    printed = estimate(hub_cache, *claim.group(1).split())
+    printed = estimate(capsys, *claim.group(1).split())
     total = re.search(r"total\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
     assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == \
         (float(claim.group(2)), float(claim.group(3)))
