@@ -9,7 +9,7 @@ import os
 import sys
 
 from finetune.errors import UserError
-from finetune.model_commands import chat_command, eval_command, export_command, ui_command
+from finetune.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
 from finetune.plan_commands import estimate_command
 from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
 
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="finetune", description="Memory-efficient LLM fine-tuning: recipes in, adapters out."
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_validate, _add_estimate, _add_doctor, _add_chat, _add_export, _add_eval, _add_ui):
+    for add in (_add_train, _add_validate, _add_estimate, _add_doctor, _add_chat, _add_serve, _add_export, _add_eval,
+                _add_ui):
         add(commands)
     return parser
 
@@ -199,9 +200,15 @@ def _add_eval(commands) -> None:
         "optionally lm-evaluation-harness tasks. Prints a table of the targets side by side; keeps the results and "
         "answers in each target's run folder (eval/) and in --out.",
     )
-    evaluate.add_argument("targets", nargs="+", metavar="TARGET",
+    evaluate.add_argument("targets", nargs="*", metavar="TARGET",
                           help="a run (its final/), a checkpoint-N/, an export, or base:RUN for the model a run "
                           "started from")
+    evaluate.add_argument("--server", metavar="URL", help="evaluate models an OpenAI-compatible endpoint serves "
+                          "instead (`finetune serve`, vLLM, a provider): its answers to --data, with the same metrics "
+                          "and stop rate")
+    evaluate.add_argument("--model", action="append", default=[], metavar="NAME",
+                          help="with --server: a model it serves; repeat for more")
+    evaluate.add_argument("--api-key", help="with --server: its bearer token (or $OPENAI_API_KEY)")
     evaluate.add_argument("--data", metavar="FILE", help="examples in any format training reads: the prompt is what "
                           "comes before the last assistant turn, which is the reference answer")
     evaluate.add_argument("--metric", action="append", choices=METRICS, metavar="NAME",
@@ -222,6 +229,23 @@ def _add_eval(commands) -> None:
                           help="a folder of lm-evaluation-harness task YAML files")
     evaluate.add_argument("--out", help="also write each target's results and answers here")
     evaluate.set_defaults(command=eval_command)
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="answer an OpenAI-compatible API with trained models (runs, checkpoints, exports)",
+        description="Serve trained models over an OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
+        "GET /health), rendering requests with each model's training chat template. Targets trained on one base "
+        "model share it: it loads once.",
+    )
+    serve.add_argument("targets", nargs="+", metavar="[NAME=]TARGET",
+                       help="a run (its final/), a checkpoint-N/, a `finetune export` folder, or base:RUN (the model "
+                       "the run started from); served as NAME, else the run's or folder's name")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require this bearer token (needed beyond 127.0.0.1; or $FINETUNE_API_KEY)")
+    serve.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    serve.set_defaults(command=serve_command)
 
 
 def _add_ui(commands) -> None:

@@ -1,4 +1,5 @@
-"""The commands that work on trained models: `finetune chat`, `eval` and `export`, and the panel (`finetune ui`).
+"""The commands that work on trained models: `finetune chat`, `serve`, `eval` and `export`, and the panel
+(`finetune ui`).
 `cli.py` defines their options; heavy libraries load inside each command."""
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ import sys
 from finetune.errors import UserError
 from finetune.trained.evaluate import DEFAULT_METRICS
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def ui_command(args) -> int:
-    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    loopback = args.host in LOOPBACK
     if (args.share or not loopback) and not args.auth:
         where = "--share" if args.share else f"--host {args.host}"
         raise UserError(f"{where} makes the panel reachable from other machines, and it can start processes: "
@@ -33,6 +36,27 @@ def ui_command(args) -> int:
     build_app(workspace).queue().launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
                                         css=CSS, footer_links=[])
     return 0
+
+
+def serve_command(args) -> int:
+    import os
+
+    api_key = args.api_key or os.environ.get("FINETUNE_API_KEY")
+    if args.host not in LOOPBACK and not api_key:
+        raise UserError(f"--host {args.host} makes the models answer other machines: add --api-key KEY (or set "
+                        "FINETUNE_API_KEY), which clients send as their bearer token, or keep the default host "
+                        "127.0.0.1")
+    if args.engine == "vllm":
+        from finetune.trained import vllm_engine
+
+        return vllm_engine.serve(args.targets, args.host, args.port, api_key)
+    try:
+        from finetune.trained import server
+    except ImportError as error:
+        raise UserError(f"the server needs FastAPI and Uvicorn ({error.name} is missing): pip install -e "
+                        "\".[serve]\"") from None
+    _quiet_loading()
+    return server.serve(args.targets, args.host, args.port, api_key)
 
 
 def chat_command(args) -> int:
@@ -128,8 +152,23 @@ def eval_command(args) -> int:
     settings = Settings(args.data, args.metric or list(DEFAULT_METRICS), args.extract, args.max_new_tokens,
                         args.batch_size, args.limit, [t.strip() for t in (args.tasks or "").split(",") if t.strip()],
                         args.include_tasks, args.format, columns)
-    _quiet_loading()
-    results = evaluate(args.targets, settings, Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    if args.server:
+        import os
+
+        from finetune.trained.endpoint_eval import evaluate_endpoint
+
+        if args.targets or not args.model:
+            raise UserError("--server URL evaluates the models it serves: name them with --model NAME, and no "
+                            "TARGET beside it")
+        results = evaluate_endpoint(args.server, args.model, settings, args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                    out)
+    elif not args.targets or args.model:
+        raise UserError("name the trained models to evaluate (TARGET ...), or an endpoint with --server URL --model "
+                        "NAME")
+    else:
+        _quiet_loading()
+        results = evaluate(args.targets, settings, out)
     print(table(results))
     for result in results:
         if result.kept:

@@ -178,6 +178,49 @@ def tiny_models(tmp_path_factory):
     return {name: Path(path) for name, path in built_once(tmp_path_factory, "tiny-models", build).items()}
 
 
+def write_greetings(path: Path) -> Path:
+    """One pattern a tiny model learns in a few dozen steps: reasoning "Greet." and the answer "Hi!"."""
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(64):
+            name = "".join(rng.choice("abcdefghij") for _ in range(5))
+            out.write(json.dumps({"messages": [{"role": "user", "content": f"I am {name}."},
+                                               {"role": "assistant", "content": "Hi!", "thinking": "Greet."}]}) + "\n")
+    return path
+
+
+def train_greeter(model: Path, data: Path, method: str, steps: int, learning_rate: float, batch: int,
+                  run: Path) -> Path:
+    """`finetune train` of a tiny model on write_greetings' data, here; the run folder."""
+    result = train_here(
+        "quickstart", f"model.name_or_path={model}", f"data.train={data}", f"method={method}", "data.eval_fraction=0",
+        "train.eval_on_start=false", f"train.max_steps={steps}", f"train.learning_rate={learning_rate}",
+        f"train.per_device_train_batch_size={batch}", "train.max_length=128", f"train.save_steps={steps}",
+        "train.logging_steps=2", f"output_dir={run}",
+        "train.lr_scheduler_type=constant_with_warmup",  # the rate the tests' steps were chosen with
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_greeter(tmp_path_factory) -> Path:
+    """A two-layer GPT-OSS (experts, sinks, sliding window; the real tokenizer) fine-tuned in full until it reasons
+    "Greet." and answers "Hi!", ending at <|return|>: one run for the chat, export and server tests."""
+    from finetune.models.architectures import tiny_gpt_oss
+
+    asset("tokenizers/gpt-oss")
+
+    def build(folder: Path) -> str:
+        model = save_tiny_model(folder / "model", tiny_gpt_oss())
+        data = write_greetings(folder / "greetings.jsonl")
+        return str(train_greeter(model, data, "full", 30, 5e-3, 2, folder / "gpt-oss-full"))
+
+    return Path(built_once(tmp_path_factory, "gpt-oss-greeter", build))
+
+
 def save_tiny_model(folder: Path, config) -> Path:
     """A random-init model of the config (seed 0) with the real tokenizer of its architecture, as a HF folder."""
     import torch

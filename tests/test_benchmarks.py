@@ -79,3 +79,10 @@ def test_generation_script_gives_the_same_answers_batched(tmp_path):
     assert results["one_at_a_time_s"] > 0 and results["batch_4_s"] > 0
     assert f"speedup: {results['one_at_a_time_s']:.2f} / {results['batch_4_s']:.2f} = {results['speedup']}x; " \
            "same answers: True" in result.stdout
+
+
+def test_serve_script_times_batched_against_one_at_a_time(tmp_path):
+    result, results = benchmark("serve.py", tmp_path / "serve.json", "--clients", "2", "--max-tokens", "4")
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: batched under its target, at this tiny size
+    assert results["tokens"] == 2 * 4 and results["one_at_a_time_s"] > 0 and results["batched_s"] > 0
+    assert f"{results['one_at_a_time_s']:.2f} / {results['batched_s']:.2f} = {results['speedup']}x" in result.stdout

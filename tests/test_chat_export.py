@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import cli_here, run_cli, save_tiny_model, train_here
+from tests.conftest import cli_here, run_cli, save_tiny_model, train_greeter, train_here, write_greetings
 
 pytestmark = pytest.mark.integration
 PROMPT = [{"role": "user", "content": "I am qqq."}]
@@ -32,45 +31,32 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greetings(tmp_path_factory) -> Path:
-    """One pattern a tiny model learns in a few dozen steps: reasoning "Greet." and the answer "Hi!"."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "greetings.jsonl"
-    with open(path, "w", encoding="utf-8") as out:
-        for _ in range(64):
-            name = "".join(rng.choice("abcdefghij") for _ in range(5))
-            out.write(json.dumps({"messages": [{"role": "user", "content": f"I am {name}."},
-                                               {"role": "assistant", "content": "Hi!", "thinking": "Greet."}]}) + "\n")
-    return path
+    return write_greetings(tmp_path_factory.mktemp("data") / "greetings.jsonl")
 
 
-# (architecture, method): steps, learning rate, batch. The long ones learn the answer and its end tokens.
+# (architecture, method): steps, learning rate, batch. The long one learns the answer and its end token; GPT-OSS
+# fine-tuned in full until it reasons and answers is the session's gpt_oss_greeter (conftest.py).
 TRAINING = {
     ("llama", "lora"): (30, 1e-2, 4),
     ("llama", "qlora"): (4, 1e-2, 4),
     ("gpt-oss", "lora"): (4, 1e-2, 4),
     ("gpt-oss", "qlora"): (4, 1e-2, 4),
-    ("gpt-oss", "full"): (30, 5e-3, 2),
 }
 
 
 @pytest.fixture(scope="module")
-def trained(models, greetings, tmp_path_factory):
+def trained(models, greetings, tmp_path_factory, request):
     """trained(architecture, method) -> the run folder, trained once per module with `finetune train`."""
     runs: dict[tuple[str, str], Path] = {}
 
     def train(architecture: str, method: str) -> Path:
+        if (architecture, method) == ("gpt-oss", "full"):
+            return request.getfixturevalue("gpt_oss_greeter")
         if (architecture, method) not in runs:
             steps, learning_rate, batch = TRAINING[architecture, method]
             run = tmp_path_factory.mktemp("runs") / f"{architecture}-{method}"
-            result = train_here(
-                "quickstart", f"model.name_or_path={models[architecture]}", f"data.train={greetings}",
-                f"method={method}", "data.eval_fraction=0", "train.eval_on_start=false", f"train.max_steps={steps}",
-                f"train.learning_rate={learning_rate}", f"train.per_device_train_batch_size={batch}",
-                "train.max_length=128", f"train.save_steps={steps}", "train.logging_steps=2", f"output_dir={run}",
-                "train.lr_scheduler_type=constant_with_warmup",  # the rate these steps were chosen with
-            )
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[architecture, method] = run
+            runs[architecture, method] = train_greeter(models[architecture], greetings, method, steps, learning_rate,
+                                                       batch, run)
         return runs[architecture, method]
 
     return train

@@ -56,16 +56,12 @@ class Chat:
 
     def __init__(self, path, base_model: str | None = None, base: bool = False):
         """`base`: chat with the model the run started from, through the same template (for comparisons)."""
-        from finetune.data.render import Renderer
         from finetune.trained import saved_model
 
         self.folder = saved_model.locate(path)
         tokenizer = saved_model.load_tokenizer(self.folder)
-        data = self.folder.recipe.data
-        renderer = Renderer(tokenizer, tokenizer.chat_template, data.template_date,
-                            template_kwargs=data.template_kwargs)
         load = saved_model.load_original if base else saved_model.load_model
-        self._bind(load(self.folder, base_model), tokenizer, renderer)
+        self._bind(load(self.folder, base_model), tokenizer, renderer_of(self.folder, tokenizer))
 
     @classmethod
     def of(cls, model, tokenizer, renderer) -> "Chat":
@@ -103,7 +99,7 @@ class Chat:
             input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=sampling.max_new_tokens,
             do_sample=sampling.temperature > 0, eos_token_id=sorted(self.end_ids),
             pad_token_id=self.tokenizer.pad_token_id, streamer=streamer,
-            stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self._ended_by, prompt.shape[1])]
+            stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self.ended_by, prompt.shape[1])]
                                                    if self.harmony else []),
         )
         if sampling.temperature > 0:
@@ -124,7 +120,7 @@ class Chat:
         shown = Reply()
         while (new := streamer.queue.get()) is not None:
             generated.extend(new)
-            current = self._parse(generated, final=False)
+            current = self.parse(generated, final=False)
             for kind in ("thinking", "answer"):
                 before, after = getattr(shown, kind), getattr(current, kind)
                 if len(after) > len(before) and after.startswith(before):
@@ -133,7 +129,7 @@ class Chat:
         worker.join()
         if failure:
             raise failure[0]
-        yield self._parse(generated, final=True)
+        yield self.parse(generated, final=True)
 
     def reply(self, messages: list[dict], sampling: Sampling = Sampling()) -> Reply:
         *_, whole = self.stream(messages, sampling)
@@ -161,23 +157,24 @@ class Chat:
                 output = self.model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                     eos_token_id=sorted(self.end_ids), pad_token_id=pad, use_cache=True, synced_gpus=synced,
-                    stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self._ended_by, width)]
+                    stopping_criteria=StoppingCriteriaList([FinalMessageEnd(self.ended_by, width)]
                                                            if self.harmony else []),
                 )
             for row in output[:, width:].tolist():
-                replies.append(self._parse(self._through_end(row), final=True))
+                replies.append(self.parse(self._through_end(row), final=True))
         return replies
 
     def _through_end(self, generated: list[int]) -> list[int]:
         """A batch row's reply: its tokens up to and including the first end token (finished rows are padded)."""
         for length in range(1, len(generated) + 1):
             token = generated[length - 1]
-            if (token in self.end_ids or self.harmony) and self._ended_by(generated[:length]) is not None:
+            if (token in self.end_ids or self.harmony) and self.ended_by(generated[:length]) is not None:
                 return generated[:length]
         return generated
 
-    def _parse(self, generated: list[int], final: bool) -> Reply:
-        reply = Reply(token_ids=list(generated), ended_by=self._ended_by(generated) if final else None)
+    def parse(self, generated: list[int], final: bool) -> Reply:
+        """The reply these generated tokens make (`final`: all of it; else held back at a partial character)."""
+        reply = Reply(token_ids=list(generated), ended_by=self.ended_by(generated) if final else None)
         if not self.harmony:
             reply.answer = _stable(self._text(generated, special=False), final)
             return reply
@@ -194,7 +191,7 @@ class Chat:
     def _text(self, generated: list[int], special: bool) -> str:
         return self.tokenizer.decode(generated, skip_special_tokens=not special, clean_up_tokenization_spaces=False)
 
-    def _ended_by(self, generated: list[int]) -> str | None:
+    def ended_by(self, generated: list[int]) -> str | None:
         """The end token that closes the reply, if the last token is one (GPT-OSS's <|end|> only after a final
         message: after the analysis channel the answer is still to come)."""
         if not generated:
@@ -206,6 +203,14 @@ class Chat:
             channels = re.findall(r"<\|channel\|>(\w+)", self._text(generated, special=True))
             return last if channels and channels[-1] == "final" else None
         return None
+
+
+def renderer_of(folder, tokenizer):
+    """Prompts as the saved model's training rendered them: its chat template, template date and variables."""
+    from finetune.data.render import Renderer
+
+    data = folder.recipe.data
+    return Renderer(tokenizer, tokenizer.chat_template, data.template_date, template_kwargs=data.template_kwargs)
 
 
 def _stable(text: str, final: bool) -> str:

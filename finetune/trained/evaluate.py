@@ -28,7 +28,6 @@ from finetune.answers import check_extraction, extract_answer
 from finetune.errors import UserError
 from finetune.trained import harness
 
-BASE_PREFIX = "base:"
 METRICS = ("exact_match", "contains", "rouge_l", "bleu")
 DEFAULT_METRICS = ("exact_match", "contains")
 ALWAYS = ("loss", "perplexity", "stop_rate", "mean_length")
@@ -71,8 +70,8 @@ def resolve_target(spec: str) -> Target:
     from finetune.run_folder import FINAL_NAME, checkpoint_step
     from finetune.trained import saved_model
 
-    base = spec.startswith(BASE_PREFIX)
-    saved = saved_model.locate(spec.removeprefix(BASE_PREFIX))
+    base = spec.startswith(saved_model.BASE_PREFIX)
+    saved = saved_model.locate(spec.removeprefix(saved_model.BASE_PREFIX))
     if base:
         return Target(spec, "base", saved, base=True)
     if checkpoint_step(saved.path) is not None:
@@ -336,24 +335,29 @@ def evaluate_one(target: Target, examples: list[Example], settings: Settings) ->
 def keep(result: Result, target: Target, settings: Settings, out: Path | None) -> list[Path]:
     """RUN/eval/<label>-<data>.json and .answers.jsonl for targets of a run, and <out>/<target>.json and
     .answers.jsonl; the answers files."""
-    data_name = _safe(Path(settings.data).stem) if settings.data else "tasks"
-    record = {"target": result.target, "model": result.label, "data": settings.data, "metrics": result.metrics,
-              "tasks": result.tasks, "extract": settings.extract, "max_new_tokens": settings.max_new_tokens,
-              "examples": len(result.answers), "at": time.time()}
+    data_name = safe_name(Path(settings.data).stem) if settings.data else "tasks"
     places = []
     if target.run is not None:
         places.append(target.run / EVAL_FOLDER / f"{result.label}-{data_name}")
     if out is not None:
-        places.append(out / _safe(f"{result.target}"))
-    for stem in places:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        with open(stem.with_name(stem.name + ".answers.jsonl"), "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers)
-    return [stem.with_name(stem.name + ".answers.jsonl") for stem in places]
+        places.append(out / safe_name(f"{result.target}"))
+    return [write_result(stem, result, settings) for stem in places]
 
 
-def _safe(text: str) -> str:
+def write_result(stem: Path, result: Result, settings: Settings) -> Path:
+    """<stem>.json (the metrics and how they were measured) and <stem>.answers.jsonl; the answers file."""
+    record = {"target": result.target, "model": result.label, "data": settings.data, "metrics": result.metrics,
+              "tasks": result.tasks, "extract": settings.extract, "max_new_tokens": settings.max_new_tokens,
+              "examples": len(result.answers), "at": time.time()}
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    answers = stem.with_name(stem.name + ".answers.jsonl")
+    with open(answers, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers)
+    return answers
+
+
+def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
 

@@ -19,6 +19,7 @@ from finetune.recipe.schema import Recipe, recipe_from_dict
 from finetune.run_folder import CONFIG_NAME, FINAL_NAME, PROGRESS_NAME, checkpoint_step, is_complete, latest_checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_PREFIX = "base:"  # base:RUN names the model a run started from, where a trained model is asked for
 WHAT_TO_PASS = "pass a run's final/, one of its checkpoint-N/ folders, or a folder written by `finetune export`"
 
 
