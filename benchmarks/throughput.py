@@ -7,11 +7,11 @@
 
 The model is a random-initialized Llama-architecture model (hidden 256, 4 layers, about 37M parameters, most of them
 the tied 128k-token embedding of the real Llama 3.2 tokenizer) trained on GSM8K rendered with the Llama 3.2 chat
-template. Every way uses batch 8, max length 512 and float32 (TRL's own default on CPU is bf16 autocast, which runs
+template. Every way uses batch 8 (--batch-size), max length 512 and float32 (TRL's own default on CPU is bf16 autocast, which runs
 several times slower than float32 on CPUs without bf16 matrix units; the toolkit trains in float32 on CPU). Real tokens are the tokens of the data, not padding; the
 real-token fraction is real tokens over the positions the model computed.
 
-    python benchmarks/throughput.py [--steps 5] [--warmup 1] [--json results.json]
+    python benchmarks/throughput.py [--steps 5] [--warmup 1] [--batch-size 8] [--json results.json]
 
 Needs ../shared/assets (the Llama 3.2 tokenizer and GSM8K), or $FINETUNE_SHARED_ASSETS.
 """
@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("FINETUNE_SHARED_ASSETS", REPO.parent / "shared" / "assets"))
-BATCH, MAX_LENGTH = 8, 512
+MAX_LENGTH = 512
 MODEL_SIZES = {"bench": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
                "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)}
 
@@ -115,13 +115,14 @@ def gsm8k_rows(rows: int) -> list[dict]:
             for r in records]
 
 
-def run_trl(way: str, model: Path, rows: list[dict], steps: int, warmup: int, out: Path, **options) -> Result:
+def run_trl(way: str, model: Path, rows: list[dict], steps: int, warmup: int, batch: int, out: Path,
+            **options) -> Result:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     meter = Meter(warmup)
-    args = SFTConfig(output_dir=str(out / way), per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
+    args = SFTConfig(output_dir=str(out / way), per_device_train_batch_size=batch, max_length=MAX_LENGTH,
                      max_steps=steps + warmup, use_cpu=True, save_strategy="no", report_to="none",
                      disable_tqdm=True, bf16=False, **options)
     trainer = SFTTrainer(model=str(model), args=args, train_dataset=Dataset.from_list(rows),
@@ -130,7 +131,8 @@ def run_trl(way: str, model: Path, rows: list[dict], steps: int, warmup: int, ou
     return meter.result(way)
 
 
-def run_toolkit(way: str, model: Path, rows: list[dict], steps: int, warmup: int, out: Path, *overrides) -> Result:
+def run_toolkit(way: str, model: Path, rows: list[dict], steps: int, warmup: int, batch: int, out: Path,
+                *overrides) -> Result:
     from finetune.training.run import run
 
     data = out / "gsm8k-messages.jsonl"
@@ -138,7 +140,7 @@ def run_toolkit(way: str, model: Path, rows: list[dict], steps: int, warmup: int
     recipe = out / "recipe.yaml"
     recipe.write_text(f"model: {{name_or_path: {model}}}\ndata: {{train: {data}}}\n", encoding="utf-8")
     meter = Meter(warmup)
-    run(str(recipe), [f"output_dir={out / way}", f"train.per_device_train_batch_size={BATCH}",
+    run(str(recipe), [f"output_dir={out / way}", f"train.per_device_train_batch_size={batch}",
                       f"train.max_length={MAX_LENGTH}", f"train.max_steps={steps + warmup}",
                       "train.save_strategy=no", "train.disable_tqdm=true", *overrides], callbacks=(meter,))
     return meter.result(way)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per way")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     parser.add_argument("--rows", type=int, default=2000, help="GSM8K rows to draw batches from")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per step, every way")
     parser.add_argument("--size", choices=MODEL_SIZES, default="bench", help="tiny: a smoke run of the script")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         model = out / "model"
         make_model(model, args.size)
         rows = gsm8k_rows(args.rows)
-        common = (model, rows, args.steps, args.warmup, out)
+        common = (model, rows, args.steps, args.warmup, args.batch_size, out)
         results = [
             run_trl("plain TRL defaults", *common),
             run_trl("TRL packing", *common, packing=True, padding_free=True),

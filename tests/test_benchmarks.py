@@ -40,7 +40,7 @@ def benchmark(script: str, out: Path, *args: str) -> tuple[subprocess.CompletedP
 
 def test_throughput_script_runs_all_ways(tmp_path):
     result, results = benchmark("throughput.py", tmp_path / "results.json", "--size", "tiny", "--steps", "1",
-                                "--warmup", "0", "--rows", "64")
+                                "--warmup", "0", "--rows", "64", "--batch-size", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["way"] for r in results] == ["plain TRL defaults", "TRL packing", "finetune defaults",
                                            "finetune, method=full"]
