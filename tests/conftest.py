@@ -28,8 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # (pytest-xdist hands out whole files in this order); those that use the quickstart come after the others of them,
 # while it trains in the background (below); the quick ones fill in at the end.
 LONGEST_FIRST = ["test_chat_export.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_benchmarks.py",
-                 "test_training.py", "test_ray.py", "test_recipes.py", "test_readme.py", "test_evaluate.py",
-                 "test_panel.py", "test_multinode.py", "test_memory_plan.py", "test_doctor.py", "test_cli.py"]
+                 "test_training.py", "test_ray.py", "test_recipes.py", "test_readme.py", "test_serve.py",
+                 "test_evaluate.py", "test_panel.py", "test_multinode.py", "test_memory_plan.py", "test_doctor.py",
+                 "test_cli.py"]
 
 
 def pytest_collection_modifyitems(items):
