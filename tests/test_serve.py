@@ -140,6 +140,28 @@ def test_gpt_oss_reasoning_comes_back_apart_from_the_answer(client):
     assert reasoning == "Greet." and "".join(delta.content or "" for delta in deltas) == "Hi!"
 
 
+def test_tools_and_earlier_tool_calls_reach_the_template_as_training_wrote_them(client, gpt_oss_greeter):
+    """A request's tools, and an earlier tool call with its arguments as the JSON string OpenAI clients send, are
+    rendered as the training data's form renders them (arguments as an object): the same prompt tokens."""
+    from finetune.trained import saved_model
+    from finetune.trained.chat import renderer_of
+
+    tools = [{"type": "function", "function": {"name": "wave", "description": "Wave at someone.", "parameters": {
+        "type": "object", "properties": {"to": {"type": "string"}}, "required": ["to"]}}}]
+    sent = [{"role": "user", "content": "Wave at bob."},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "wave", "arguments": json.dumps({"to": "bob"})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "waved"}]
+    trained = [sent[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "wave", "arguments": {"to": "bob"}}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "waved"}]
+    folder = saved_model.locate(gpt_oss_greeter)
+    renderer = renderer_of(folder, saved_model.load_tokenizer(folder))
+    answer = client.chat.completions.create(model="greeter", messages=sent, tools=tools, max_tokens=1)
+    assert answer.usage.prompt_tokens == len(renderer.prompt_ids(trained, tools))
+    assert answer.usage.prompt_tokens > len(renderer.prompt_ids(trained, None))
+
+
 def test_n_choices_and_a_seed_that_repeats_them(client):
     settings = dict(model="quickstart", messages=[{"role": "user", "content": "My name is Ann."}], n=3,
                     temperature=1.5, seed=7, max_tokens=12)

@@ -121,6 +121,13 @@ def normalize(row: dict[str, Any], fmt: str, columns: dict[str, str], system_pro
     return _conversation(example, system_prompt, thinking_marker)
 
 
+def prompt(messages: Any, tools: Any = None) -> dict[str, Any]:
+    """A conversation to answer (a chat request), normalized as training rows are, so that the chat template sees it
+    as it saw them: text content, reasoning as `thinking`, tool-call arguments as objects, tools in OpenAI's form."""
+    return {"messages": [_message(m, i) for i, m in enumerate(_nonempty_list(messages, "messages"), 1)],
+            "tools": _tools(tools)}
+
+
 def _conversation(example: dict[str, Any], system_prompt: str | None, thinking_marker: str | None) -> dict[str, Any]:
     if system_prompt and example["messages"][0]["role"] not in ("system", "developer"):
         example["messages"].insert(0, {"role": "system", "content": system_prompt})

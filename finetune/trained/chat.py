@@ -76,11 +76,11 @@ class Chat:
         self.harmony = "<|channel|>" in tokenizer.get_vocab()
         self.end_ids = end_token_ids(tokenizer, renderer)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         from finetune.data.formats import BadRow
 
         try:
-            return self.renderer.prompt_ids(messages)
+            return self.renderer.prompt_ids(messages, tools)
         except BadRow as error:
             raise UserError(f"the conversation cannot be rendered: {error}") from None
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from finetune.data import formats
 from finetune.errors import UserError
 
 DEFAULT_MAX_TOKENS = 4096  # when a request gives none (and the context leaves more)
@@ -34,21 +35,10 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed on to the chat template
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: normalized as training data
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None
-
-    def as_trained(self) -> dict:
-        """The message as training data writes it: text content, reasoning as `thinking`."""
-        message = self.model_dump(exclude_none=True, exclude={"content", "reasoning_content"})
-        message["role"] = "system" if self.role == "developer" else self.role
-        content = self.content if isinstance(self.content, str) or self.content is None else \
-            "".join(part.text for part in self.content)
-        message["content"] = content or ""
-        if self.reasoning_content:
-            message["thinking"] = self.reasoning_content
-        return message
 
 
 class StreamOptions(BaseModel):
@@ -66,6 +56,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
+    tools: list[dict] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
@@ -161,7 +152,11 @@ class _Completion:
         self.entry, self.body = entry, body
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:
-            self.prompt = entry.chat.prompt_ids([message.as_trained() for message in body.messages])
+            conversation = formats.prompt([message.model_dump(exclude_none=True) for message in body.messages],
+                                          body.tools)
+            self.prompt = entry.chat.prompt_ids(conversation["messages"], conversation["tools"])
+        except formats.BadRow as error:
+            raise RequestError(400, str(error), param="messages") from None
         except UserError as error:
             raise RequestError(400, str(error), param="messages") from None
         room = entry.context - len(self.prompt)
