@@ -113,20 +113,28 @@ VLLM_VERSIONS = ">=0.27,<0.30"
 def check_device_options(recipe, cuda: bool) -> None:
     """Stage options that need what only some machines have, checked on the machine that trains."""
     if recipe.stage == "grpo" and recipe.grpo.get("use_vllm"):
-        import importlib.metadata
-        import importlib.util
-
-        import packaging.specifiers
-
         if not cuda:
             raise UserError("grpo.use_vllm generates with vLLM, which needs a CUDA GPU, and this run trains on the "
                             "CPU; remove it (transformers' generate is used then)")
-        installed = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm") else None
-        if installed is None or not packaging.specifiers.SpecifierSet(VLLM_VERSIONS).contains(installed):
-            found = f"vllm {installed} is installed" if installed else "vLLM is not installed"
+        if found := unusable_vllm():
             raise UserError(f"grpo.use_vllm needs vLLM {VLLM_VERSIONS} (the releases built on this toolkit's torch "
                             f"that TRL supports) and {found}: pip install -e \".[vllm]\" (or remove it: "
                             "transformers' generate is used then)")
+
+
+def unusable_vllm() -> str | None:
+    """What is wrong with the vLLM installed here ("vLLM is not installed", "vllm X is installed" for a release
+    outside VLLM_VERSIONS), or None."""
+    import importlib.metadata
+    import importlib.util
+
+    import packaging.specifiers
+
+    installed = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm") else None
+    if installed is None:
+        return "vLLM is not installed"
+    return None if packaging.specifiers.SpecifierSet(VLLM_VERSIONS).contains(installed) else \
+        f"vllm {installed} is installed"
 
 
 def section_keys() -> list[str]:

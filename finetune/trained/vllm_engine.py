@@ -67,21 +67,20 @@ def dated_template(template: str, template_date: str) -> str:
 
 def serve(arguments: list[str], host: str, port: int, api_key: str | None) -> int:
     """Refuse where vLLM cannot run, check the targets, and run vLLM's server until it ends."""
-    import importlib.util
     import os
     import subprocess
     import tempfile
 
     import torch
 
+    from finetune.recipe.stage_sections import VLLM_VERSIONS, unusable_vllm
     from finetune.trained import served_models
 
-    missing = [what for what, there in (("a CUDA GPU", torch.cuda.is_available()),
-                                        ("vLLM", importlib.util.find_spec("vllm") is not None)) if not there]
-    if missing:
-        raise UserError(f"--engine vllm needs a CUDA GPU and vLLM (pip install -e \".[vllm]\"); this machine has no "
-                        f"{' and no '.join(what.removeprefix('a ') for what in missing)}: serve with the default "
-                        "engine (--engine transformers)")
+    problems = [problem for problem in ("" if torch.cuda.is_available() else "this machine has no CUDA GPU",
+                                        unusable_vllm()) if problem]
+    if problems:
+        raise UserError(f"--engine vllm needs a CUDA GPU and vLLM {VLLM_VERSIONS} (pip install -e \".[vllm]\"); "
+                        f"{' and '.join(problems)}: serve with the default engine (--engine transformers)")
     targets = served_models.parse_targets(arguments)
     with tempfile.TemporaryDirectory(prefix="finetune-vllm-") as folder:
         command = vllm_command(targets, host, port, Path(folder) / "chat_template.jinja")
