@@ -18,6 +18,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("FINETUNE_SHARED_ASSETS", REPO.parent / "shared" / "assets"))
+
+# Every tensor over 32 MiB (glibc's largest mmap threshold: the loss's logits over a 128k or 201k vocabulary, for
+# one) is a fresh mapping whose pages the kernel faults in and zeroes 4 KiB at a time; that was a third of the
+# suite's training time on the CPU (llama-lora export test: 27.1 s of system time in 73.0 s; with transparent huge
+# pages 8.4 s in 52.8 s). Set here, before pytest-xdist starts its workers, so that they and every process a test
+# starts read it at their start; the kernel's THP "madvise" mode (the usual default) is what it needs.
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+if HUGE_PAGES not in os.environ.get("GLIBC_TUNABLES", ""):
+    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: torch's threads of two trainings at once, each as many as the cores, run several
     # times slower than one thread each. Set before torch is imported here or in any process a test starts.
@@ -25,12 +34,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 # The files that take longest go first, so that at the end of a run on two workers neither waits long for the other
-# (pytest-xdist hands out whole files in this order); those that use the quickstart come after the others of them,
-# while it trains in the background (below); the quick ones fill in at the end.
-LONGEST_FIRST = ["test_chat_export.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_benchmarks.py",
-                 "test_training.py", "test_ray.py", "test_recipes.py", "test_readme.py", "test_serve.py",
-                 "test_evaluate.py", "test_panel.py", "test_multinode.py", "test_memory_plan.py", "test_doctor.py",
-                 "test_cli.py"]
+# (pytest-xdist hands out whole files in this order: `--no-loadscope-reorder` in pyproject.toml keeps it from putting
+# the files with most tests first instead); those that use the quickstart come after the long others, while it trains
+# in the background (below); the quick ones fill in at the end.
+LONGEST_FIRST = ["test_chat_export.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_training.py",
+                 "test_recipes.py", "test_readme.py", "test_panel.py", "test_bad_input.py", "test_ray.py",
+                 "test_benchmarks.py", "test_evaluate.py", "test_serve.py", "test_doctor.py", "test_backends.py",
+                 "test_multinode.py", "test_time_plan.py", "test_memory_plan.py", "test_masks.py", "test_cli.py",
+                 "test_data_pipeline.py"]
 
 
 def pytest_collection_modifyitems(items):
