@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 
+from finetune import __version__
 from finetune.errors import UserError
 from finetune.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
 from finetune.plan_commands import estimate_command
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune", description="Memory-efficient LLM fine-tuning: recipes in, adapters out."
     )
+    parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     for add in (_add_train, _add_validate, _add_estimate, _add_doctor, _add_chat, _add_serve, _add_export, _add_eval,
                 _add_ui):

@@ -14,6 +14,13 @@ def test_help(args):
     assert result.returncode == 0 and "usage: finetune" in result.stdout and not result.stderr
 
 
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"finetune {version('finetune')}"
+
+
 def test_training_module_help_is_the_train_command():
     result = run_cli("--help", module="finetune.train")
     assert result.returncode == 0 and "usage: finetune train" in result.stdout
