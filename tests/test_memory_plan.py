@@ -220,3 +220,22 @@ def test_recipe_headers_state_what_estimate_says(hub_cache, capsys, name):
     total = re.search(r"total\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
     assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == \
         (float(claim.group(2)), float(claim.group(3)))
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-3b-lora", "llama-3.2-3b-unsloth-qlora", "gpt-oss-20b-lora"])
+def test_a_setting_left_to_its_default_is_planned_as_the_trainer_uses_it(hub_cache, capsys, name):
+    """The plans read what the run will do: a recipe that sets nothing is planned exactly as one that writes out
+    the trainer's defaults for every setting the plans read."""
+    from finetune.resources import find_recipe
+
+    recipe = load_recipe(find_recipe(name))
+    resolved = recipe.trainer_config(use_cpu=True)  # the config the run's trainer gets, its defaults filled in
+    written = []
+    for key in ("gradient_checkpointing", "num_train_epochs", "max_steps", "save_steps", "eval_on_start", "loss_type"):
+        value = getattr(resolved, key)
+        if key not in recipe.train:
+            written.append(f"train.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    assert written
+    launch = ["--gpu", "h100", "--accelerate-config", "ddp_8xh100", "--tokens", "20000000",
+              "--price-per-gpu-hour", "3"]
+    assert estimate(capsys, name, *launch) == estimate(capsys, name, *written, *launch)

@@ -82,10 +82,11 @@ def test_the_rules_of_thumb_are_shown_beside_the_count():
 
 
 def test_steps_are_the_trainers():
+    assert time_plan.steps_of(recipe("lora"), 1000, 4, 1, 1) == 750  # TRL's default: 3 epochs
     # 1,783 packed rows of 8 per step for 10 epochs: the quickstart's 2,230 steps
-    assert time_plan.steps_of({"num_train_epochs": 10}, 1783, 8, 1, 1) == 2230
-    assert time_plan.steps_of({"num_train_epochs": 1}, 1000, 4, 4, 2) == 32  # 125 batches per process, 4 per step
-    assert time_plan.steps_of({"num_train_epochs": 3, "max_steps": 7}, 1000, 4, 1, 1) == 7
+    assert time_plan.steps_of(recipe("full", num_train_epochs=10), 1783, 8, 1, 1) == 2230
+    assert time_plan.steps_of(recipe("lora", num_train_epochs=1), 1000, 4, 4, 2) == 32  # 125 batches per process, 4 per step
+    assert time_plan.steps_of(recipe("lora", num_train_epochs=3, max_steps=7), 1000, 4, 1, 1) == 7
 
 
 def test_ddp_moves_the_gradients_of_what_trains_over_the_link():

@@ -141,7 +141,7 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     sequences = 2 if recipe.stage == "dpo" else 1  # DPO runs a row's chosen and rejected answers in one batch
     compute = _compute_bytes(recipe, shape, device)
     shard = launch.processes if launch.sharded else 1
-    checkpointing = train.get("gradient_checkpointing", True)
+    checkpointing = recipe.train_setting("gradient_checkpointing")
     attention = recipe.model.attn_implementation or ("eager" if shape.model_type == "gpt_oss" else "sdpa")
     optim = str(recipe.train_setting("optim"))
 
@@ -175,7 +175,7 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
         note += "; chosen and rejected answers: 2 sequences per row"
     add(Line("activations", 0, per_token * length * sequences, note=note))
     add(Line("backward working set", 0, working * length * sequences, note="the gradients of one layer's activations"))
-    add(_loss(shape, train, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
+    add(_loss(shape, recipe, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
     if recipe.stage == "grpo":
         add(Line("generation (KV cache)", 0, shape.layers * 2 * shape.kv_width * compute * length,
                  note=f"keys and values of each answer generated, prompt and up to {length - train['max_length']} "
@@ -274,12 +274,12 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
     return kept + outside, working
 
 
-def _loss(shape: Shape, train: dict, b: int, length: int) -> Line:
-    loss_type = train.get("loss_type") or "chunked_nll"
-    if loss_type == "chunked_nll" and not train.get("use_liger_kernel"):
+def _loss(shape: Shape, recipe, b: int, length: int) -> Line:
+    liger = recipe.train.get("use_liger_kernel")
+    if recipe.train_setting("loss_type") == "chunked_nll" and not liger:
         return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * 3, b * shape.hidden * length,
                     note=f"logits of {LOSS_CHUNK} tokens at a time (TRL's chunked_nll)")
-    if train.get("use_liger_kernel"):
+    if liger:
         return Line("loss (Liger fused)", 0, b * shape.hidden * length, note="Liger's fused linear cross-entropy")
     return Line("loss (full logits)", 0, (b + 8) * shape.vocab * length,
                 note="logits of every token, upcast to fp32, with their gradient")

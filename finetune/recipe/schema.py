@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import math
 import types
@@ -76,10 +77,19 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
     def train_setting(self, key: str) -> Any:
-        """train.KEY as the run uses it: the recipe's value, else the stage config's default."""
-        if key in self.train:
-            return self.train[key]
-        return next(f.default for f in dataclasses.fields(stage_sections.config_class(self.stage)) if f.name == key)
+        """train.KEY as the run's trainer uses it: the recipe's value, else the value the stage's TRL config resolves
+        it to (its default, or what its own checks derive, as for loss_type). Every reader of a trainer setting
+        goes through here, so that none supplies a default of its own."""
+        resolved = self.trainer_config(use_cpu=True)
+        value = getattr(resolved, key) if hasattr(resolved, key) else self.train.get(key)
+        return value.value if isinstance(value, enum.Enum) else value  # transformers' strategy and optimizer names
+
+    def eval_strategy(self, has_eval: bool) -> str:
+        """When the run evaluates: train.eval_strategy, else with eval data every train.eval_steps where given, else
+        at each epoch's end; never without eval data."""
+        if "eval_strategy" in self.train:
+            return self.train_setting("eval_strategy")
+        return "no" if not has_eval else "steps" if "eval_steps" in self.train else "epoch"
 
     def trainer_config(self, **runtime: Any):
         """The config the stage's trainer gets (SFTConfig, DPOConfig, ...): train.* and the stage's section, plus

@@ -114,7 +114,7 @@ def plan_of_run(recipe, config, data, device: Device, launch, micro_batch: int, 
 
 
 def flops_per_token(recipe, shape, layout: flops.Layout, epoch: flops.Work) -> float:
-    checkpointing = bool(recipe.train.get("gradient_checkpointing"))
+    checkpointing = recipe.train_setting("gradient_checkpointing")
     return flops.count(shape, layout, recipe.method, checkpointing, epoch).per_token
 
 
@@ -165,12 +165,11 @@ def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int,
     """The run's time on `launch.processes` devices like `device`: `train` is one epoch of the prepared training set
     in `rows` rows (packed or not), `evaluation` the eval set (None without one); `bus_bytes` an all-reduce bus
     bandwidth measured between the devices (bytes/s), instead of the card's link figure."""
-    settings = recipe.train
     micro, accumulation = recipe.batch_split(launch.processes, micro_batch)
     global_rows = micro * accumulation * launch.processes
-    steps = steps_of(settings, rows, micro, accumulation, launch.processes)
+    steps = steps_of(recipe, rows, micro, accumulation, launch.processes)
     epochs = steps * global_rows / rows
-    checkpointing = bool(settings.get("gradient_checkpointing"))
+    checkpointing = recipe.train_setting("gradient_checkpointing")
     run = flops.count(shape, layout, recipe.method, checkpointing, train).times(epochs)
     # Processes on one CPU share its cores (and its measured speed); each GPU has its own
     flops_per_s = speed.flops_per_s / (1 if device.cuda else launch.processes)
@@ -195,13 +194,13 @@ def plan_time(recipe, shape, layout: flops.Layout, train: flops.Work, rows: int,
                     checkpoint_s, launch.processes, tuple(notes))
 
 
-def steps_of(settings: dict, rows: int, micro: int, accumulation: int, processes: int) -> int:
+def steps_of(recipe, rows: int, micro: int, accumulation: int, processes: int) -> int:
     """Optimizer steps as transformers' Trainer counts them: max_steps, else the epochs over each process's batches."""
-    if settings.get("max_steps", -1) > 0:
-        return int(settings["max_steps"])
+    if recipe.train_setting("max_steps") > 0:
+        return int(recipe.train_setting("max_steps"))
     batches = math.ceil(rows / (micro * processes))
     per_epoch = max(batches // accumulation + (1 if batches % accumulation else 0), 1)
-    return math.ceil(float(settings.get("num_train_epochs", 1)) * per_epoch)
+    return math.ceil(float(recipe.train_setting("num_train_epochs")) * per_epoch)
 
 
 def _optimizer_s(shape, method: str, device: Device) -> float:
@@ -251,21 +250,29 @@ def _communication(shape, method: str, launch, device: Device, compute_s: float,
 
 def _evaluation_s(recipe, shape, layout, evaluation: flops.Work | None, steps: int, processes: int,
                   flops_per_s: float) -> float:
-    settings = recipe.train
-    if evaluation is None or settings.get("eval_strategy", "steps") == "no":
+    strategy = recipe.eval_strategy(evaluation is not None)
+    if strategy == "no":
         return 0.0
-    every = int(settings.get("eval_steps") or steps)
-    count = steps // every + (1 if settings.get("eval_on_start") else 0)
+    if strategy == "epoch":
+        count = math.ceil(float(recipe.train_setting("num_train_epochs")))
+    else:  # transformers evaluates every logging_steps where eval_steps is not given
+        every = recipe.train_setting("eval_steps") or recipe.train_setting("logging_steps")
+        count = steps // math.ceil(every * steps if every < 1 else every)
+    count += 1 if recipe.train_setting("eval_on_start") else 0
     forward = flops.count(shape, layout, recipe.method, False, evaluation).forward
     return count * forward / processes / flops_per_s
 
 
 def _checkpoints(recipe, shape, steps: int) -> tuple[float, str]:
-    settings = recipe.train
-    if settings.get("save_strategy", "steps") == "no":
+    strategy = recipe.train_setting("save_strategy")
+    if strategy == "no":
         return 0.0, "checkpoints: none (train.save_strategy no)"
-    every = int(settings.get("save_steps") or steps)
-    count = steps // every + 1  # and final/
+    if strategy == "epoch":
+        count = math.ceil(float(recipe.train_setting("num_train_epochs")))
+    else:  # a fraction below 1 is a share of the run's steps
+        every = recipe.train_setting("save_steps")
+        count = steps // math.ceil(every * steps if every < 1 else every)
+    count += 1  # and final/
     trained = shape.adapter if recipe.method != "full" else shape.parameters
     size = trained * (4 + 8) if recipe.method != "full" else shape.parameters * (2 + 8 + 4)  # weights, Adam, masters
     seconds = count * size / CHECKPOINT_WRITE

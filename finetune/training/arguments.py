@@ -43,7 +43,7 @@ def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) 
         arguments["liger_kernel_config"] = {**(recipe.train.get("liger_kernel_config") or {}), "swiglu": False}
     if backend == "unsloth":
         arguments["gradient_checkpointing"] = False  # Unsloth checkpoints its own way (set when loading)
-    if data.eval is not None and "eval_strategy" not in recipe.train:
-        arguments["eval_strategy"] = "steps" if "eval_steps" in recipe.train else "epoch"
+    if "eval_strategy" not in recipe.train:
+        arguments["eval_strategy"] = recipe.eval_strategy(data.eval is not None)
     return arguments
 

@@ -85,7 +85,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     tracked = "mlflow" in args.report_to
     args.report_to = [name for name in args.report_to if name != "mlflow"]  # ours logs it (tracking.py), not HF's
     transformers.set_seed(args.seed)  # adapter initialization is random: same seed, same start, any process count
-    model, peft_config = load_model(recipe, precision, backend, recipe.train.get("gradient_checkpointing", True))
+    model, peft_config = load_model(recipe, precision, backend, recipe.train_setting("gradient_checkpointing"))
     reference = load_reference_model(recipe, precision)
     coefficient = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0)
     if coefficient and "router_aux_loss_coef" not in recipe.train:
