@@ -127,8 +127,9 @@ def _add_estimate(commands) -> None:
     estimate.add_argument("--probe", action="store_true",
                           help="also run two real training steps with the recipe's longest batch here, print the "
                           "measured peak beside the plan, and plan the time from their measured speed")
-    estimate.add_argument("--tokens", type=int, metavar="N",
-                          help="plan the time for N training tokens per epoch instead of the prepared data")
+    estimate.add_argument("--tokens", metavar="N",
+                          help="plan the time for N training tokens per epoch instead of the prepared data (e.g. 50000000 "
+                          "or 5e7)")
     estimate.add_argument("--bus-gb-s", type=float, metavar="GBPS",
                           help="the all-reduce bus bandwidth between the GPUs, as `finetune doctor --ddp` measured it "
                           "on them (default: the card's link figure)")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -19,10 +20,7 @@ def estimate_command(args) -> int:
     from finetune.recipe.schema import load_recipe
     from finetune.recipe.yaml_files import accelerate_settings
 
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise UserError("--num-gpus must be at least 1")
-    if args.bus_gb_s is not None and args.bus_gb_s <= 0:
-        raise UserError("--bus-gb-s must be above 0 (GB/s, as `finetune doctor --ddp` prints it)")
+    _check_numbers(args)
     launches = _compared(args.compare) if args.compare else None
     prices = _prices(args)
     if args.probe:
@@ -35,13 +33,14 @@ def estimate_command(args) -> int:
     if on_cpu and args.device != "cpu" and not launches:
         print("No CUDA GPU here: the plan is for this machine's CPU and memory; name a card with --gpu "
               "(a10, h100, 48GB, ...) to plan for it", flush=True)
+    device = None if launches else devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
+    tokens = _tokens(args.tokens)
     config = model_config(recipe)
     shape, layout = shapes.model_shape(config, recipe), flops.layout_of(config)
-    work = _work(recipe, args.tokens)
+    work = _work(recipe, tokens)
     if launches:
         print(_comparison(recipe, shape, layout, work, launches, prices))
         return 0
-    device = devices.device_named(args.gpu) if args.gpu else devices.this_machine(cpu=on_cpu)
     plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
     print(memory_plan.describe(plan, args.recipe))
     speed = time_plan.assumed_speed(device, _backend(recipe, device))
@@ -53,6 +52,10 @@ def estimate_command(args) -> int:
     print()
     if isinstance(work, str):
         print(f"Time and cost: not planned: {work}")
+    elif speed is None and args.gpu:
+        print(f"Time and cost: not planned: {device.name}'s speed is not known; name the card instead "
+              f"(--gpu {', '.join(devices.SPEEDS)}) to plan from its table figures, or run --probe on that card "
+              "to measure it")
     elif speed is None:
         print("Time and cost: not planned: this machine's speed is not in the table of cards; --probe measures "
               "it here, or name a card with --gpu")
@@ -61,8 +64,34 @@ def estimate_command(args) -> int:
         bus = args.bus_gb_s * 1e9 if args.bus_gb_s else None
         timed = time_plan.plan_time(recipe, shape, layout, epoch, rows, evaluation, device, launch,
                                     plan.micro_batch, speed, bus)
-        print(describe_time(timed, work, prices.get(args.gpu or "", args.price_per_gpu_hour), recipe.method))
+        print(describe_time(timed, work, prices.get((args.gpu or "").lower(), args.price_per_gpu_hour), recipe.method))
     return 0
+
+
+LARGEST_LAUNCH = 8192  # 1,024 nodes of 8 GPUs: beyond it a count is a typing slip, not a fine-tuning run
+
+
+def _check_numbers(args) -> None:
+    if args.num_gpus is not None and not 1 <= args.num_gpus <= LARGEST_LAUNCH:
+        raise UserError(f"--num-gpus {args.num_gpus}: plan for 1 to {LARGEST_LAUNCH:,} GPUs")
+    if args.bus_gb_s is not None and not args.bus_gb_s > 0:
+        raise UserError("--bus-gb-s must be above 0 (GB/s, as `finetune doctor --ddp` prints it)")
+    if args.price_per_gpu_hour is not None and not args.price_per_gpu_hour >= 0:
+        raise UserError(f"--price-per-gpu-hour {args.price_per_gpu_hour:g}: a price is 0 or more (USD per GPU-hour)")
+
+
+def _tokens(text: str | None) -> int | None:
+    """--tokens as a whole number: 50000000, 50_000_000 or 5e7."""
+    if text is None:
+        return None
+    try:
+        value = float(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        raise UserError(f"--tokens {text}: give the training tokens per epoch as a whole number of at least 1 "
+                        "(e.g. 50000000 or 5e7)")
+    return int(value)
 
 
 def _work(recipe, tokens: int | None):
@@ -72,7 +101,7 @@ def _work(recipe, tokens: int | None):
     if recipe.stage != "sft":
         return time_plan.UNPLANNED_STAGE.format(stage=recipe.stage)
     max_length = int(recipe.train["max_length"])
-    if tokens:
+    if tokens is not None:
         rows = max(tokens // max_length, 1)
         return flops.Work(rows * max_length, rows * max_length, (max_length,) * rows), rows, None, TOKENS_SOURCE
     from finetune.data.pipeline import prepare
@@ -93,7 +122,7 @@ def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, m
     run = timed.flops
     rule = "6N" if method == "full" else "4N"
     lines = [
-        f"Time plan: {timed.steps:,} steps over {epoch.tokens:,} tokens per epoch in {rows:,} rows "
+        f"Time plan: {_count(timed.steps, 'step')} over {epoch.tokens:,} tokens per epoch in {rows:,} rows "
         f"({source}; {epoch.trained_tokens:,} carry loss)",
         f"  FLOPs             {run.total:.3g} in all (counted: forward {run.forward:.3g}, backward {run.backward:.3g}, "
         f"recompute {run.recompute:.3g}); {run.per_token:.3g} per token, where the {rule} rule of thumb says "
@@ -139,7 +168,7 @@ def _comparison(recipe, shape, layout, work, launches, prices) -> str:
                      f"{timed.tokens_per_s:>10,.0f} {time_plan.format_duration(timed.total_s):>9} {cost:>10}")
     shares = ", ".join(f"{backend} {share:.0%}" for backend, share in time_plan.ASSUMED_MFU.items())
     lines.append(f"Speeds assumed: {shares} of each card's dense bf16 peak by backend; "
-                 + ("cost from --prices" if prices else "--prices FILE (card: price per GPU-hour) adds the cost"))
+                 + ("cost at the prices given" if prices else "--prices FILE (card: price per GPU-hour) adds the cost"))
     return "\n".join(lines)
 
 
@@ -155,10 +184,14 @@ def _compared(text: str) -> list[tuple[str, int]]:
 
 
 def _prices(args) -> dict[str, float]:
+    """Prices per GPU-hour by card: --prices FILE, else --price-per-gpu-hour for the card compared or named."""
     if not args.prices:
-        return {}
+        price = args.price_per_gpu_hour
+        return {} if price is None else {card: price for card in devices.SPEEDS}
     from finetune.recipe.yaml_files import read_mapping
 
+    if not Path(args.prices).is_file():
+        raise UserError(f"--prices {args.prices}: no such file; write one line per card (h100: 3.50)")
     prices = read_mapping(Path(args.prices), "prices file", "a10: 1.10, h100: 3.50 (per GPU-hour)")
     for card, price in prices.items():
         if card not in devices.SPEEDS or not isinstance(price, (int, float)) or price < 0:
@@ -208,4 +241,11 @@ def _has_cuda() -> bool:
 
 
 def _seconds(value: float) -> str:
-    return f"{value * 1000:,.3g} ms" if value < 10 else time_plan.format_duration(value)
+    """729 ms, 4.5 s, 2m05s: as people read a duration."""
+    if value < 1:
+        return f"{value * 1000:,.3g} ms"
+    return f"{value:.3g} s" if value < 60 else time_plan.format_duration(value)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"

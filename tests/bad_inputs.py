@@ -328,4 +328,18 @@ CASES = [
     Case("vLLM generation on the CPU, launched on two processes", "grpo.use_vllm generates with vLLM, which needs a "
          "CUDA GPU", ["stage=grpo", "grpo.rewards=[{function: length, max_tokens: 8}]", "grpo.use_vllm=true"],
          args=["--accelerate-config", "cpu_ddp_2proc"], commands=("train",)),
+    # What `finetune estimate` is asked, refused before any planning.
+    *[Case(f"estimate {' '.join(args)}", message, ["train.max_length=64"], args=args, commands=("estimate",))
+      for args, message in [
+          (["--gpu", "0GB"], "--gpu '0GB': a card's memory is at least 1 GB; write it as 24GB or 80GiB"),
+          (["--gpu", "h100", "--prices", "{dir}/nonexistent.yaml"],
+           "--prices {dir}/nonexistent.yaml: no such file; write one line per card (h100: 3.50)"),
+          (["--gpu", "h100", "--price-per-gpu-hour", "-3"],
+           "--price-per-gpu-hour -3: a price is 0 or more (USD per GPU-hour)"),
+          (["--gpu", "h100", "--tokens", "-10"], "--tokens -10: give the training tokens per epoch as a whole number"),
+          (["--gpu", "h100", "--tokens", "0"], "--tokens 0: give the training tokens per epoch as a whole number"),
+          (["--gpu", "h100", "--tokens", "1.5"], "--tokens 1.5: give the training tokens per epoch as a whole number"),
+          (["--gpu", "h100", "--num-gpus", "100000"], "--num-gpus 100000: plan for 1 to 8,192 GPUs"),
+          (["--gpu", "h100", "--num-gpus", "0"], "--num-gpus 0: plan for 1 to 8,192 GPUs"),
+      ]],
 ]

@@ -41,7 +41,8 @@ def prepare(case: Case, folder: Path) -> list[str]:
         (folder / "recipe.yaml").write_bytes(case.recipe if isinstance(case.recipe, bytes) else case.recipe.encode())
         recipe = case.recipe_path or "recipe.yaml"
     overrides = [item.replace("{dir}", str(folder)) for item in case.overrides]
-    return [recipe, f"output_dir={folder / 'run'}", *TINY, *overrides, *case.args]
+    args = [item.replace("{dir}", str(folder)) for item in case.args]
+    return [recipe, f"output_dir={folder / 'run'}", *TINY, *overrides, *args]
 
 
 def cache_entries(home: Path) -> set[str]:

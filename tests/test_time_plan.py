@@ -246,3 +246,20 @@ def test_a_run_plans_its_time_from_the_run_before_it_and_the_live_tab_sets_the_p
     card = status_card(RunInfo("second", "running", rows, started=None))
     assert "ETA **0m50s** (planned 1m00s)" in card
     assert f"Time plan at the start: **2m00s** for 10 steps on this machine's CPU · {plan['speed']}" in card
+
+
+def test_estimate_says_figures_as_people_read_them(capsys):
+    code, out, err = cli_here(capsys, "estimate", "quickstart", "--compare", "a10x1,h100x8", "--price-per-gpu-hour",
+                              "2.5", "--tokens", "5e5")
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.startswith(("a10x1", "h100x8"))]
+    assert len(rows) == 2 and all(row[-1].startswith("$") for row in rows)  # one price for every card compared
+    code, out, _ = cli_here(capsys, "estimate", "quickstart", "--gpu", "24GB", "--tokens", "256")
+    assert code == 0 and "Time and cost: not planned: a 24GB GPU's speed is not known; name the card instead " \
+                         "(--gpu a10, " in out and "or run --probe on that card to measure it" in out
+    code, out, _ = cli_here(capsys, "estimate", "quickstart", "--gpu", "a10", "--tokens", "256",
+                            "train.max_steps=1")
+    assert "Time plan: 1 step over 256 tokens" in out
+    from finetune.plan_commands import _seconds
+
+    assert [_seconds(s) for s in (0.729, 4.51, 75)] == ["729 ms", "4.51 s", "1m15s"]

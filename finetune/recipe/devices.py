@@ -65,6 +65,8 @@ def device_named(text: str) -> Device:
     size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib)", key)
     if size:
         amount = float(size.group(1)) * (GIB if size.group(2) == "gib" else 1e9)
+        if amount < GIB:
+            raise UserError(f"--gpu {text!r}: a card's memory is at least 1 GB; write it as 24GB or 80GiB")
         return Device(f"a {text.strip()} GPU", int(amount), cuda=True)
     raise UserError(f"--gpu {text!r}: name a card ({', '.join(GPUS)}), a size such as 48GB, or use --device cpu")
 
