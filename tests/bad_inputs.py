@@ -75,6 +75,25 @@ def _model_without_tokenizer(folder):
         shutil.copy(tiny / name, folder / "bare-model" / name)
 
 
+def _qwen2_with_the_llama_tokenizer(folder):
+    """A Qwen2 model of Llama 3.2's vocabulary size saved with the real Llama 3.2 tokenizer: transformers loads it
+    as a Qwen2Tokenizer, which adds a pad token past the embedding."""
+    import shutil
+
+    import pytest
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.conftest import ASSETS
+
+    tokenizer = ASSETS / "tokenizers" / "llama-3.2-instruct"
+    if not tokenizer.is_dir():
+        pytest.skip(f"needs the Llama 3.2 tokenizer in {tokenizer} (../shared/assets)")
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=128256)).save_pretrained(folder / "qwen2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer / name, folder / "qwen2" / name)
+
+
 def _run_with_a_cut_off_checkpoint(folder):
     run = folder / "run"
     (run / "checkpoint-4").mkdir(parents=True)  # no finetune_state.json: cut off while being written
@@ -328,6 +347,12 @@ CASES = [
     Case("vLLM generation on the CPU, launched on two processes", "grpo.use_vllm generates with vLLM, which needs a "
          "CUDA GPU", ["stage=grpo", "grpo.rewards=[{function: length, max_tokens: 8}]", "grpo.use_vllm=true"],
          args=["--accelerate-config", "cpu_ddp_2proc"], commands=("train",)),
+    Case("a tokenizer whose pad token the model has no row for", "model.name_or_path: the tokenizer does not match "
+         "the model: its pad token '<|endoftext|>' is id 128,256, and the model's embedding has 128,256 rows (ids 0 "
+         "to 128,255); set its pad token to one inside the vocabulary (e.g. \"pad_token\": \"<|eot_id|>\" in "
+         "tokenizer_config.json) or resize the model's embeddings", ["model.name_or_path=./qwen2", "method=lora",
+                                                                     "model.chat_template="],
+         setup=_qwen2_with_the_llama_tokenizer),
     # What `finetune estimate` is asked, refused before any planning.
     *[Case(f"estimate {' '.join(args)}", message, ["train.max_length=64"], args=args, commands=("estimate",))
       for args, message in [

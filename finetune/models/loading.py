@@ -50,6 +50,27 @@ def load_tokenizer(recipe):
     return tokenizer
 
 
+def check_token_ids(tokenizer, config) -> None:
+    """Every id the tokenizer can give the model has a row in its embedding: the pad and end tokens, and its added
+    tokens (the largest ids it has). A tokenizer class of another family can add a pad token past the model's
+    vocabulary, and the run would fail at its first padded batch."""
+    rows = config.get_text_config().vocab_size
+    named = {f"its pad token {tokenizer.pad_token!r}": tokenizer.pad_token_id,
+             f"its end token {tokenizer.eos_token!r}": tokenizer.eos_token_id,
+             **{f"its added token {token!r}": index for token, index in tokenizer.get_added_vocab().items()}}
+    outside = [(what, index) for what, index in named.items() if index is not None and index >= rows]
+    if not outside:
+        return
+    what, index = max(outside, key=lambda item: item[1])
+    inside = tokenizer.eos_token_id is not None and tokenizer.eos_token_id < rows
+    fix = (f"set its pad token to one inside the vocabulary (e.g. \"pad_token\": \"{tokenizer.eos_token}\" in "
+           "tokenizer_config.json) or " if what.startswith("its pad token") and inside else "use the model's own "
+           "tokenizer, or ")
+    raise UserError(f"model.name_or_path: the tokenizer does not match the model: {what} is id {index:,}, and the "
+                    f"model's embedding has {rows:,} rows (ids 0 to {rows - 1:,}); {fix}resize the model's embeddings "
+                    "to the tokenizer (model.resize_token_embeddings(len(tokenizer)), then save the model)")
+
+
 def _check_template(template: str, where: str) -> None:
     """A chat template that is not valid Jinja fails once, here, rather than once per row: parsed as transformers
     reads it (a sandboxed environment with loop controls, and the `{% generation %}` blocks of training templates)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from finetune.data.pipeline import PreparedData, prepare
 from finetune.models import backends
-from finetune.models.loading import load_tokenizer, model_config
+from finetune.models.loading import check_token_ids, load_tokenizer, model_config
 from finetune.recipe import memory_plan, stage_sections
 from finetune.recipe.train_section import check_device_options, trains_on_cpu
 from finetune.run_folder import check_free, check_writable, read_rows
@@ -70,7 +70,8 @@ def check(recipe, launch: Launch, resume: bool | str = False, validating: bool =
     check_writable(recipe.output_dir)
     with one_at_a_time():
         tokenizer = load_tokenizer(recipe)
-        model_type = model_config(recipe).model_type  # a model that cannot load is found before the data is read
-        backends.check_packing(backend, model_type, recipe.train)
+        config = model_config(recipe)  # a model that cannot load is found before the data is read
+        check_token_ids(tokenizer, config)
+        backends.check_packing(backend, config.model_type, recipe.train)
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
-    return Checked(backend, why, tokenizer, model_type, data, point, notes)
+    return Checked(backend, why, tokenizer, config.model_type, data, point, notes)
