@@ -181,6 +181,11 @@ def test_recipe_changes_on_resume_are_refused_or_allowed(tmp_path, capsys):
     # The linear decay reached 0 at step 3 of the first plan; step 4 trains at the new plan's rate, not at 0.
     assert changed(run / "checkpoint-3", run / "checkpoint-4") and changed(run / "checkpoint-4", run / "checkpoint-5")
     assert rows(run)[-1]["status"] == "completed" and rows(run)[-1]["step"] == 5
+    # The run folder's recipe is the one the run now follows, and the same length again has nothing left to train.
+    assert "max_steps: 5" in (run / "finetune.yaml").read_text()
+    code, _, err = cli_here(capsys, "train", "quickstart", f"output_dir={run}", *short, "--resume", "train.max_steps=5",
+                            "train.save_steps=1")
+    assert code == 2 and f"--resume: {run} already completed at step 5; raise train.max_steps" in err, err
     # From a named checkpoint: what came after it goes, and is done again.
     named = train_here("quickstart", *short, "train.max_steps=5", "--resume", str(run / "checkpoint-3"))
     assert named.returncode == 0, named.stderr[-2000:]

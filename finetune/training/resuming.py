@@ -74,7 +74,7 @@ def plan(recipe, resume: bool | str, processes: int) -> tuple[ResumePoint, list[
     Returns the point and the notes to print (a changed process count, a longer run)."""
     point = resume_point(recipe.output_dir, resume)
     longer = check_same_run(recipe.to_dict(), recipe.output_dir)
-    if not longer and resume is True:
+    if resume is True and (not longer or recipe.train_setting("max_steps") == point.step):
         check_not_completed(recipe.output_dir, point)
     # an `auto` micro-batch is chosen at run time; any choice splits the same global batch
     per_device, accumulation = recipe.batch_split(processes, 1 if recipe.auto_micro_batch else None)

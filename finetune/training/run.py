@@ -101,8 +101,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
             cleanup.callback(run_folder.release)
             if point:
                 _continue_from(run_folder, point, state.num_processes, notes)
-            else:
-                run_folder.save_recipe(recipe.to_yaml())
+            run_folder.save_recipe(recipe.to_yaml())  # a resumed run's too: the length and cadence it now follows
             _plan_time(recipe, run_folder, data, state, micro, backend)
             cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
             logger.info("run folder %s", run_folder.path)
