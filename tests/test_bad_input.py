@@ -66,7 +66,7 @@ def test_bad_input_gets_its_message(case, tmp_path, monkeypatch, capsys, isolate
         assert cache_entries(isolated_home) == cached  # nothing left in the data cache
 
 
-@pytest.mark.parametrize("name", ["recipe with a key twice", "data in Latin-1", "1e99 epochs",
+@pytest.mark.parametrize("name", ["recipe with a key twice", "data in UTF-16", "1e99 epochs",
                                   "output_dir that cannot be written"])
 def test_from_the_command_line_it_is_one_line_and_exit_status_2(name, tmp_path):
     case = next(case for case in CASES if case.name == name)
@@ -105,6 +105,29 @@ def test_inputs_that_only_look_odd_are_accepted(name, filename, content, tmp_pat
                               *TINY)
     assert code == 0 and "OK: the recipe and its data are valid." in out, err
     assert "bad rows: none" in out and "Say hi" in out
+
+
+def test_bad_rows_of_every_kind_are_dropped_and_listed_in_file_order(tmp_path, capsys):
+    from tests.bad_inputs import CHAT, chat
+
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b"\n".join([
+        CHAT.encode(),
+        chat(("assistant", "I speak first"), ("user", "Hi"), ("assistant", "Hello")).encode(),  # found by the template
+        chat(("user", "Caf\u00e9?"), ("assistant", "Oui")).encode("latin-1"),  # one byte that is not UTF-8
+        b'{"messages": [',  # not JSON
+        CHAT.encode()]) + b"\n")
+    code, out, err = cli_here(capsys, "validate", "quickstart", f"data.train={data}", "data.bad_rows=drop",
+                              f"output_dir={tmp_path / 'run'}", "data.eval_fraction=0", "train.eval_on_start=false",
+                              *TINY)
+    assert code == 0, err
+    listed = out.split("bad rows dropped (data.bad_rows=drop): 3\n")[1].splitlines()[:3]
+    assert listed == [
+        f"    {data} line 2: message 1: the conversation starts with the assistant; an answer is learned from what "
+        "comes before it, so start with a user message (or a system prompt)",
+        f"    {data} line 3: not UTF-8 text (byte 0xe9); save the file as UTF-8 (it may be Latin-1 or Windows-1252)",
+        f"    {data} line 4: not valid JSON (Expecting value)"], out
+    assert "train: 2 rows" in out
 
 
 # Arbitrary input: a result or one UserError, nothing else, and never a run folder.

@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -192,6 +193,7 @@ def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool,
                                        staging / "train.arrow", processes, "train")
     eval_table, eval_stats = encoding.encode_split(eval_examples, spool, encoder, max_length, bad, too_long,
                                      staging / "eval.arrow", processes, "eval")
+    bad.sort(key=_in_file_order(bad))  # read (JSON, format) and encoded (template, masks) rows in one order
     if bad and data.bad_rows == "fail":
         raise bad_rows_error(bad)
     if too_long and data.too_long == "fail":
@@ -248,6 +250,24 @@ def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
     held_out = set(order[: max(1, round(len(order) * fraction))])
     return ([e for i, e in enumerate(examples) if i not in held_out],
             [e for i, e in enumerate(examples) if i in held_out])
+
+
+def _in_file_order(bad: list[str]):
+    """A sort key for 'FILE line N: reason' entries: the files in the order they first appear, then by N."""
+    files: dict[str, int] = {}
+
+    def key(entry: str) -> tuple[int, int]:
+        found = WHERE.match(entry)
+        if not found:
+            return (len(bad), 0)
+        return files.setdefault(found["file"], len(files)), int(found["number"])
+
+    for entry in bad:
+        key(entry)
+    return key
+
+
+WHERE = re.compile(r"^(?P<file>.*?) (?:line|row) (?P<number>\d+): ")
 
 
 def bad_rows_error(bad: list[str]) -> UserError:

@@ -116,6 +116,9 @@ class Renderer:
         for index, message in enumerate(messages):
             if message["role"] != "assistant" or message.get("train") is False:
                 continue
+            if index == 0:
+                raise BadRow("message 1: the conversation starts with the assistant; an answer is learned from "
+                             "what comes before it, so start with a user message (or a system prompt)")
             start = self._prefix_length(full, messages[:index], tools, index, add_generation_prompt=True)
             if self.has_markers:
                 if start >= len(ids) or not marked[start]:

@@ -106,7 +106,11 @@ def _file_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, 1):
-            line = _decoded(raw[3:] if number == 1 and raw.startswith(BOM) else raw, path, number)
+            try:
+                line = _decoded(raw[3:] if number == 1 and raw.startswith(BOM) else raw, path, number)
+            except UserError as error:  # one line's bytes: a bad row, which data.bad_rows=drop can leave out
+                yield f"{path} line {number}", BadRow(str(error).split(": ", 1)[1])
+                continue
             if not line.strip():
                 continue
             if number == 1 and line.lstrip().startswith("["):
