@@ -84,7 +84,7 @@ def _add_train(commands) -> None:
     ray = train.add_argument_group("Ray Train (--engine ray; needs the ray extra)")
     ray.add_argument("--engine", choices=["accelerate", "ray"], default="accelerate",
                      help="how the training processes start (default: accelerate)")
-    ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="Ray workers, one process each")
+    ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="Ray workers, one process each (default: 1)")
     ray.add_argument("--gpus-per-worker", type=float, metavar="G",
                      help="GPUs per worker (default: 1 where the cluster has GPUs, else 0)")
     ray.add_argument("--address", metavar="ADDRESS",
@@ -151,7 +151,8 @@ def _add_doctor(commands) -> None:
     doctor.add_argument("--ddp", nargs="?", type=int, const=0, metavar="N",
                         help="also train a small network with plain PyTorch DDP on N processes (default: every GPU, "
                         "or two CPU processes), checking that all ranks agree, and time an all-reduce")
-    doctor.add_argument("--output-dir", default="runs", help="where runs will be written (for its free disk)")
+    doctor.add_argument("--output-dir", default="runs",
+                        help="where runs will be written, for its free disk (default: runs)")
     doctor.set_defaults(command=doctor_command)
 
 
@@ -165,9 +166,10 @@ def _add_chat(commands) -> None:
     chat.add_argument("--prompt", help="answer this one message, print only the answer, and exit")
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--base-model", help="where the adapter's base model is, if not where the recipe says")
-    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer, in tokens (default: 512)")
     chat.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default: 0.7)")
-    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--top-p", type=float, default=0.95,
+                      help="sample from the smallest set of tokens whose probability reaches this (default: 0.95)")
     chat.add_argument("--seed", type=int, help="a seed for sampling, for answers that repeat")
     chat.set_defaults(command=chat_command)
 
@@ -219,8 +221,9 @@ def _add_eval(commands) -> None:
                           "contains; loss, perplexity, stop_rate and mean_length are always reported)")
     evaluate.add_argument("--extract", default="none", metavar="HOW",
                           help="what exact match compares: none (the whole answer), gsm8k (the number after ####), "
-                          "last-number, or regex:PATTERN (its first group)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+                          "last-number, or regex:PATTERN (its first group) (default: none)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=256,
+                          help="the longest answer generated, in tokens (default: 256)")
     evaluate.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default: 16)")
     evaluate.add_argument("--limit", type=int, help="the first N examples only")
     evaluate.add_argument("--format", help="the data's format, if not the recipe's (messages, alpaca, sharegpt, "
@@ -245,9 +248,11 @@ def _add_serve(commands) -> None:
                        help="a run (its final/), a checkpoint-N/, a `finetune export` folder, or base:RUN (the model "
                        "the run started from); served as NAME, else the run's or folder's name")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
     serve.add_argument("--api-key", help="require this bearer token (needed beyond 127.0.0.1; or $FINETUNE_API_KEY)")
-    serve.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    serve.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                       help="transformers (any machine; batches concurrent requests) or vllm (a CUDA GPU with the "
+                       "vllm extra; hands the targets to vLLM's own server) (default: transformers)")
     serve.set_defaults(command=serve_command)
 
 
@@ -258,7 +263,7 @@ def _add_ui(commands) -> None:
     )
     ui.add_argument("--workspace", default=".", help="the folder for recipes/, runs/ and exports/ (default: here)")
     ui.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
-    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--port", type=int, default=7860, help="the port to listen on (default: 7860)")
     ui.add_argument("--share", action="store_true", help="also open a public Gradio share link (needs --auth)")
     ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed beyond 127.0.0.1)")
     ui.set_defaults(command=ui_command)

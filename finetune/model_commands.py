@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from finetune.errors import UserError
@@ -24,6 +25,7 @@ def ui_command(args) -> int:
         if not sep or not user or not password:
             raise UserError("--auth: write it USER:PASSWORD")
         auth = (user, password)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before Gradio loads: no telemetry, no version check
     try:
         from finetune.ui.app import CSS, build_app
     except ImportError as error:
@@ -32,15 +34,17 @@ def ui_command(args) -> int:
 
     workspace = Workspace(args.workspace)
     workspace.create()
-    print(f"finetune panel: workspace {workspace.root}", flush=True)
-    build_app(workspace).queue().launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-                                        css=CSS, footer_links=[])
+    app = build_app(workspace).queue()
+    # quiet: Gradio's own start-up lines advise `share=True in launch()`; ours names the flags a user has
+    app.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, footer_links=[],
+               quiet=True, prevent_thread_lock=True)
+    print(f"finetune panel on {app.local_url}" + (f" and {app.share_url}" if app.share_url else "")
+          + f", workspace {workspace.root} (Ctrl-C stops it; the runs it launched go on)", flush=True)
+    app.block_thread()
     return 0
 
 
 def serve_command(args) -> int:
-    import os
-
     api_key = args.api_key or os.environ.get("FINETUNE_API_KEY")
     if args.host not in LOOPBACK and not api_key:
         raise UserError(f"--host {args.host} makes the models answer other machines: add --api-key KEY (or set "

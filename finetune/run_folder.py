@@ -82,6 +82,20 @@ def training_rows(rows: list[dict]) -> list[dict]:
     return [row for row in rows if "loss" in row]
 
 
+def last_step(rows: list[dict]) -> int:
+    """The step the run reached: its end row's, else its latest row's (the last logged loss may be earlier)."""
+    return max((row.get("step", 0) for row in rows), default=0)
+
+
+def tokens_per_second(rows: list[dict]) -> float | None:
+    """The run's speed: the median of its logged tokens/s, the first interval (its warm-up) left out. The one figure
+    that the panel shows and that the time plan of a later run reads."""
+    import statistics
+
+    rates = [row["tokens_per_second"] for row in training_rows(rows)[1:] if row.get("tokens_per_second")]
+    return statistics.median(rates) if rates else None
+
+
 def planned(rows: list[dict]) -> dict | None:
     """The time plan the run made at its start: total_s, steps, processes, device, speed (where it came from)."""
     return next((row["plan"] for row in rows if "plan" in row), None)

@@ -93,3 +93,21 @@ def test_options_and_overrides_go_where_they_belong(tmp_path):
     assert result.returncode == 2 and "unrecognized arguments: lora.r=8" in result.stderr
     result = run_cli("export", str(tmp_path), "--out", str(tmp_path / "out"), "--private")
     assert result.returncode == 2 and "--private applies to --push-to-hub" in result.stderr
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    import argparse
+
+    from finetune.cli import build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    missing = []
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
+                continue
+            has_default = action.default not in (None, False, [], argparse.SUPPRESS) and action.const is None
+            if not action.help or (has_default and "default" not in action.help):
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert not missing, f"options without help or without their default: {missing}"

@@ -51,6 +51,8 @@ class Panel:
             except OSError:
                 assert time.monotonic() < deadline, "the panel did not start"
                 time.sleep(0.5)
+        started = self.process.stdout.readline()  # its own line only: not Gradio's advice to `set share=True`
+        assert started.startswith(f"finetune panel on {self.url}, workspace "), started
         self.client = gradio_client.Client(self.url, verbose=False)
 
     def close(self, sig: int = signal.SIGTERM) -> None:

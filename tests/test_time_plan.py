@@ -197,6 +197,17 @@ def test_a_finished_run_of_the_recipe_gives_this_machines_speed(capsys, tmp_path
     assert "speed             measured: " in out and f"({run}: 1,100 tokens/s in its progress.jsonl)" in out
     tokens_per_s = next(line for line in out.splitlines() if line.lstrip().startswith("tokens/s"))
     assert tokens_per_s.split()[1] == "1,100"  # the plan runs at the speed the run measured
+    # the panel's Runs table: the step the run ended at (past its last logged loss) and the same speed
+    pytest.importorskip("gradio", reason="the panel's extra is not installed: pip install -e '.[ui]'")
+    from finetune.ui.runs_tab import overview
+    from finetune.ui.workspace import Workspace
+
+    with (run / "progress.jsonl").open("a") as progress:
+        progress.write(json.dumps({"status": "completed", "step": 85, "elapsed_s": 12.0}) + "\n")
+    (tmp_path / "runs").mkdir()
+    run.rename(tmp_path / "runs" / "run")
+    table, _, _ = overview(Workspace(tmp_path), None)
+    assert (table.loc[0, "steps"], table.loc[0, "tokens/s"]) == (85, 1100)
 
 
 def test_processes_on_one_cpu_share_the_speed_a_run_measured_there(capsys, tmp_path):

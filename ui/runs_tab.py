@@ -5,6 +5,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
+from finetune import run_folder
 from finetune.recipe.time_plan import format_duration
 from finetune.ui.run_info import RunInfo
 from finetune.ui.workspace import Workspace
@@ -24,11 +25,11 @@ def overview(workspace: Workspace, selected: list[str] | None) -> tuple[pd.DataF
 
 
 def row(info: RunInfo) -> dict:
-    last = info.last
-    return {"run": info.name, "status": info.status, "steps": last.get("step", 0),
+    last, speed = info.last, run_folder.tokens_per_second(info.rows)
+    return {"run": info.name, "status": info.status, "steps": run_folder.last_step(info.rows),
             "duration": format_duration(info.duration_s),
             "final loss": round(last["loss"], 4) if "loss" in last else None,
-            "tokens/s": round(last.get("tokens_per_second", 0))}
+            "tokens/s": round(speed) if speed else None}
 
 
 def build(app: gr.Blocks, workspace: Workspace, timer: gr.Timer) -> None:

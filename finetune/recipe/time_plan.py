@@ -19,7 +19,6 @@ Every figure the plan prints says whether it is counted, measured or assumed.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,10 +127,10 @@ def speed_of_past_runs(recipe, flops_per_token: float, device: Device) -> Speed 
                     key=lambda run: (run / run_folder.PROGRESS_NAME).stat().st_mtime, reverse=True)
     for run in (here, *beside):
         rows = run_folder.read_rows(run)
-        rates = [row["tokens_per_second"] for row in run_folder.training_rows(rows)[1:] if row.get("tokens_per_second")]
-        if rates:
+        measured = run_folder.tokens_per_second(rows)
+        if measured:
             processes = _processes(rows)
-            rate = statistics.median(rates) / (processes if device.cuda else 1)
+            rate = measured / (processes if device.cuda else 1)
             how = "" if processes == 1 else " per process" if device.cuda else f" ({processes} processes sharing the CPU)"
             where = f"{run}: {rate:,.0f} tokens/s{how} in its progress.jsonl"
             return measured_speed(flops_per_token * rate, where)
