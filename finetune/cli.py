@@ -10,6 +10,7 @@ import sys
 
 from finetune import __version__
 from finetune.errors import UserError
+from finetune.trained.served_models import MAX_REQUEST_MB
 from finetune.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
 from finetune.plan_commands import estimate_command
 from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
@@ -250,6 +251,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
     serve.add_argument("--api-key", help="require this bearer token (needed beyond 127.0.0.1; or $FINETUNE_API_KEY)")
+    serve.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB, metavar="MB",
+                       help=f"refuse request bodies over this many MiB with 413 (default: {MAX_REQUEST_MB})")
     serve.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                        help="transformers (any machine; batches concurrent requests) or vllm (a CUDA GPU with the "
                        "vllm extra; hands the targets to vLLM's own server) (default: transformers)")

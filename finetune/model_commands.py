@@ -8,6 +8,7 @@ import os
 import sys
 
 from finetune.errors import UserError
+from finetune.trained.served_models import MAX_REQUEST_MB
 from finetune.trained.evaluate import DEFAULT_METRICS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -53,6 +54,8 @@ def serve_command(args) -> int:
     if args.engine == "vllm":
         from finetune.trained import vllm_engine
 
+        if args.max_request_mb != MAX_REQUEST_MB:
+            raise UserError("--max-request-mb is the transformers engine's; vLLM's server sets its own limits")
         return vllm_engine.serve(args.targets, args.host, args.port, api_key)
     try:
         from finetune.trained import server
@@ -60,7 +63,7 @@ def serve_command(args) -> int:
         raise UserError(f"the server needs FastAPI and Uvicorn ({error.name} is missing): pip install -e "
                         "\".[serve]\"") from None
     _quiet_loading()
-    return server.serve(args.targets, args.host, args.port, api_key)
+    return server.serve(args.targets, args.host, args.port, api_key, args.max_request_mb)
 
 
 def chat_command(args) -> int:

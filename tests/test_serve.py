@@ -328,3 +328,104 @@ def test_lm_evaluation_harness_reaches_the_server_through_its_own_client(server)
                    "tokenized_requests=False",
         task_manager=TaskManager(include_path=[str(SHIPPED_TASKS)], verbosity="ERROR"), verbosity="ERROR")
     assert output["results"]["finetune_greetings"]["exact_match,none"] >= 0.8
+
+
+def test_one_clients_bad_value_never_fails_the_requests_batched_with_it(server):
+    """Six requests at once, one with a seed no generator takes: that one is the sender's 400, before it joins a
+    batch; the other five are answered."""
+    answers = [None] * 6
+
+    def send(index: int) -> None:
+        answers[index] = post(server[0], json.dumps({
+            "model": "quickstart", "messages": [{"role": "user", "content": f"My name is {NAMES[index]}."}],
+            "temperature": 0, "seed": 2**70 if index == 2 else index}).encode())
+
+    threads = [threading.Thread(target=send, args=(index,)) for index in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [code for code, _ in answers] == [200, 200, 400, 200, 200, 200]
+    assert answers[2][1]["error"]["param"] == "seed"
+    assert [answers[i][1]["choices"][0]["message"]["content"] for i in (0, 1, 3, 4, 5)] == \
+        [f"Nice to meet you, {NAMES[i]}!" for i in (0, 1, 3, 4, 5)]
+
+
+def test_a_body_over_the_limit_is_413_and_a_long_prompt_is_read_off_the_event_loop(server):
+    started = time.monotonic()
+    code, answer = post(server[0], json.dumps({"model": "quickstart", "messages": [
+        {"role": "user", "content": "x" * 10_000_000}]}).encode())
+    assert code == 413 and answer["error"]["code"] == "request_too_large" and time.monotonic() - started < 5
+    long = json.dumps({"model": "quickstart", "messages": [{"role": "user", "content": "hello world " * 250_000}]})
+    result = {}
+    reading = threading.Thread(target=lambda: result.update(answer=post(server[0], long.encode())))
+    reading.start()
+    waits = []
+    while reading.is_alive():  # /health answers while the 3 MB prompt is rendered and tokenized
+        started = time.monotonic()
+        urllib.request.urlopen(f"{server[0]}/health", timeout=30).read()
+        waits.append(time.monotonic() - started)
+        time.sleep(0.05)
+    assert result["answer"][0] == 400 and result["answer"][1]["error"]["code"] == "context_length_exceeded"
+    assert waits and max(waits) < 0.5, waits
+
+
+def test_what_the_openai_client_asks_for_is_done_or_refused_saying_so(client, server):
+    assert client.models.retrieve("red").id == "red"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nobody")
+    # logprobs: each answer token's, under the model; greedy picks the likeliest
+    answer = ask(client, "quickstart", "Shout kiwi.", logprobs=True, top_logprobs=3)
+    tokens = answer.choices[0].logprobs.content
+    assert "".join(token.token for token in tokens).startswith("KIWI!")
+    assert all(token.top_logprobs[0].token == token.token and len(token.top_logprobs) == 3 and token.logprob <= 0
+               for token in tokens)
+    # penalties change a greedy answer that repeats itself
+    assert ask(client, "quickstart", "Repeat kiwi twice.").choices[0].message.content == "kiwi kiwi"
+    assert ask(client, "quickstart", "Repeat kiwi twice.", frequency_penalty=2.0,
+               presence_penalty=2.0).choices[0].message.content != "kiwi kiwi"
+    # a conversation that ends with the assistant's words is continued, not answered anew
+    prefilled = client.chat.completions.create(model="quickstart", temperature=0, messages=[
+        {"role": "user", "content": "My name is Zorbel."}, {"role": "assistant", "content": "Nice to meet"}])
+    assert prefilled.choices[0].message.content == " you, Zorbel!"
+    # what is not implemented is a 400 that says so, never ignored
+    for settings, said in [({"response_format": {"type": "json_object"}}, "response_format is not implemented"),
+                           ({"logit_bias": {"5": 10}}, "logit_bias is not implemented")]:
+        with pytest.raises(openai.BadRequestError, match=said):
+            ask(client, "quickstart", "Hi", **settings)
+    code, refused = post(server[0], json.dumps({"model": "quickstart", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}]}).encode())
+    assert code == 400 and "image_url parts are not supported: the models served here read text only" in \
+        refused["error"]["message"]
+
+
+def test_a_fault_in_one_rows_hand_over_ends_that_row_only():
+    """In the batcher itself: a request whose own callback fails ends with an error; its batch-mate's answer is what
+    it generates alone."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune import builtin
+    from finetune.trained.batching import Batcher, Request
+
+    model = AutoModelForCausalLM.from_pretrained(builtin.resolve_model("builtin:tiny-llama"))
+    ends = {}
+
+    def request(name: str, decode) -> Request:
+        return Request([5, 6, 7], 6, lambda token, reason: ends.update({name: reason}) if reason else None,
+                       lambda ids: None, decode, stop=("never",))
+
+    def broken(ids):
+        raise RuntimeError("a caller's fault")
+
+    batcher = Batcher(model, 0, adapters=False)
+    alone = request("alone", str)
+    batcher.submit(alone)
+    wait_until = time.monotonic() + 60
+    while "alone" not in ends and time.monotonic() < wait_until:
+        time.sleep(0.05)
+    failing, fine = request("failing", broken), request("fine", str)
+    batcher.submit(failing)  # submitted together: generated as one batch
+    batcher.submit(fine)
+    batcher.close()  # after the batch it is generating
+    assert ends == {"alone": "length", "failing": "error", "fine": "length"}
+    assert fine.generated == alone.generated and len(fine.generated) == 6

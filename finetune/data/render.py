@@ -80,14 +80,17 @@ class Renderer:
             add_generation_prompt=add_generation_prompt, **self._template_kwargs,
         )
 
-    def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """The conversation so far with the generation prompt: what the model sees before it writes its turn."""
+    def prompt_ids(self, messages: list[dict], tools: list | None = None, continuing: bool = False) -> list[int]:
+        """The conversation so far with the generation prompt: what the model sees before it writes its turn.
+        `continuing`: the last message is the assistant's turn begun, rendered without its end, to go on from."""
+        if continuing:
+            return list(self._tokens(messages, tools, continue_final_message=True)["input_ids"])
         return list(self._tokens(messages, tools, add_generation_prompt=True)["input_ids"])
 
     def _tokens(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False,
-                with_mask: bool = False) -> dict[str, list[int]]:
+                with_mask: bool = False, **options) -> dict[str, list[int]]:
         return self._apply_template(messages, tools, add_generation_prompt, tokenize=True, return_dict=True,
-                                    return_assistant_tokens_mask=with_mask)
+                                    return_assistant_tokens_mask=with_mask, **options)
 
     def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
         return self._apply_template(messages, tools, add_generation_prompt, tokenize=False)

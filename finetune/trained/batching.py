@@ -44,9 +44,16 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # ... times the number of times it was
+    top_logprobs: int | None = None  # None: no logprobs; else each token's and the N likeliest at its position
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finished: str | None = None
+
+    def __post_init__(self):
+        self.generator = _generator(self.seed)  # here, so that a seed it cannot take fails this request alone
 
     def finish(self, reason: str) -> None:
         if self.finished is None:
@@ -54,7 +61,10 @@ class Request:
             if reason == "cancelled":
                 log.info("a client left: its answer stopped after %d of up to %d tokens", len(self.generated),
                          self.max_new_tokens)
-            self.deliver(None, reason)
+            try:
+                self.deliver(None, reason)
+            except Exception:  # noqa: BLE001  (its caller is gone; the others go on)
+                log.exception("a request's caller could not be told that its answer ended")
 
     def reason_to_stop(self) -> str | None:
         if self.cancelled.is_set():
@@ -96,27 +106,41 @@ class Batcher:
                     request.finish("cancelled")
             batch = [request for request in batch if request is not None and request.finished is None]
             if batch:
-                try:
-                    self._generate(batch)
-                except Exception:  # noqa: BLE001  (each caller gets its end; the thread serves the next batch)
-                    log.exception("generation failed for a batch of %d requests", len(batch))
-                    for request in batch:
-                        request.finish("error")
+                self._generate_isolated(batch)
             if closing:
                 return
 
+    def _generate_isolated(self, batch: list[Request]) -> None:
+        """A fault while generating fails the request it belongs to, never its batch-mates: after a failed batch
+        each unfinished request goes on alone from the tokens it has."""
+        try:
+            self._generate(batch)
+            return
+        except Exception:  # noqa: BLE001  (the thread serves the next batch)
+            if len(batch) == 1:
+                log.exception("generation failed for a request")
+                batch[0].finish("error")
+                return
+            log.exception("generation failed for a batch of %d requests; each goes on alone", len(batch))
+        for request in batch:
+            if request.finished is None:
+                self._generate_isolated([request])
+
     def _generate(self, batch: list[Request]) -> None:
-        width = max(len(request.prompt) for request in batch)
+        """Generate the batch's rows, each from its prompt and what it has generated so far."""
+        inputs = [request.prompt + request.generated for request in batch]
+        width = max(len(row) for row in inputs)
         device = self.model.device
-        ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device)
+        ids = torch.tensor([[self.pad] * (width - len(row)) + row for row in inputs], device=device)
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in inputs], device=device)
         rows = _Rows(batch)
         settings = {"adapter_names": [request.adapter for request in batch]} if self.adapters else {}
         with torch.inference_mode():
             self.model.generate(
                 input_ids=ids, attention_mask=mask,
                 generation_config=GenerationConfig(
-                    do_sample=False, max_new_tokens=max(r.max_new_tokens for r in batch), pad_token_id=self.pad,
+                    do_sample=False, max_new_tokens=max(r.max_new_tokens - len(r.generated) for r in batch),
+                    pad_token_id=self.pad,
                     eos_token_id=[], use_cache=True),  # [], not None (which takes the model's): _Rows ends each row
                 logits_processor=LogitsProcessorList([_RowSampling(batch)]),
                 stopping_criteria=StoppingCriteriaList([rows]), **settings)
@@ -125,25 +149,38 @@ class Batcher:
 
 
 class _RowSampling(LogitsProcessor):
-    """Each row's next token as its own request samples it (greedy at temperature 0; else temperature and top_p, from
-    the request's own random generator when it gave a seed), handed to generate's greedy search as the only token
-    left: a row's sample does not depend on which other rows share its batch."""
+    """Each row's next token as its own request samples it (penalties on what it generated; greedy at temperature
+    0, else temperature and top_p, from the request's own random generator), handed to generate's greedy search as
+    the only token left: a row's sample does not depend on which other rows share its batch. Records each token's
+    log-probability under the model where the request asked for logprobs."""
 
     def __init__(self, batch: list[Request]):
         self.batch = batch
-        self.generators = [_generator(request.seed) for request in batch]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        tokens = scores.argmax(dim=-1)
+        tokens = torch.empty(len(self.batch), dtype=torch.long, device=scores.device)
         for row, request in enumerate(self.batch):
-            if request.temperature > 0:
-                probabilities = torch.softmax(scores[row].float() / request.temperature, dim=-1)
-                if request.top_p < 1:
-                    ordered, order = probabilities.sort(descending=True)
-                    outside = ordered.cumsum(-1) - ordered > request.top_p  # the smallest set above top_p stays
-                    probabilities = probabilities.scatter(0, order, ordered.masked_fill(outside, 0))
-                tokens[row] = torch.multinomial(probabilities, 1, generator=self.generators[row])
+            logits = scores[row].float()
+            if request.generated and (request.presence_penalty or request.frequency_penalty):
+                counts = torch.bincount(torch.tensor(request.generated), minlength=logits.numel())[:logits.numel()]
+                logits = logits - request.frequency_penalty * counts.to(logits) \
+                    - request.presence_penalty * (counts > 0).to(logits)
+            tokens[row] = logits.argmax() if request.temperature == 0 else _sample(logits, request)
+            if request.top_logprobs is not None and request.finished is None:
+                logprobs = torch.log_softmax(scores[row].float(), dim=-1)
+                top = logprobs.topk(request.top_logprobs) if request.top_logprobs else None
+                request.logprobs.append((int(tokens[row]), float(logprobs[tokens[row]]),
+                                         list(zip(top.indices.tolist(), top.values.tolist())) if top else []))
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0)
+
+
+def _sample(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    probabilities = torch.softmax(logits / request.temperature, dim=-1)
+    if request.top_p < 1:
+        ordered, order = probabilities.sort(descending=True)
+        outside = ordered.cumsum(-1) - ordered > request.top_p  # the smallest set above top_p stays
+        probabilities = probabilities.scatter(0, order, ordered.masked_fill(outside, 0))
+    return torch.multinomial(probabilities, 1, generator=request.generator)[0]
 
 
 def _generator(seed: int | None) -> torch.Generator:
@@ -167,8 +204,13 @@ class _Rows(StoppingCriteria):
         for request, token in zip(self.batch, input_ids[:, -1].tolist()):
             if request.finished is None:
                 request.generated.append(token)
-                request.deliver(token, None)
-                if (reason := request.reason_to_stop()) is not None:
+                try:  # its caller's callbacks: a fault there ends this row only
+                    request.deliver(token, None)
+                    reason = request.reason_to_stop()
+                except Exception:  # noqa: BLE001
+                    log.exception("a request failed while its tokens were handed over")
+                    reason = "error"
+                if reason is not None:
                     request.finish(reason)
             done.append(request.finished is not None)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

@@ -76,11 +76,12 @@ class Chat:
         self.harmony = "<|channel|>" in tokenizer.get_vocab()
         self.end_ids = end_token_ids(tokenizer, renderer)
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, continuing: bool = False) -> list[int]:
+        """The prompt for the model's turn; `continuing`: the last (assistant) message is the answer's start."""
         from finetune.data.formats import BadRow
 
         try:
-            return self.renderer.prompt_ids(messages, tools)
+            return self.renderer.prompt_ids(messages, tools, continuing)
         except BadRow as error:
             raise UserError(f"the conversation cannot be rendered: {error}") from None
 

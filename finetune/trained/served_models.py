@@ -15,6 +15,7 @@ from pathlib import Path
 from finetune.errors import UserError
 from finetune.trained import saved_model
 
+MAX_REQUEST_MB = 4  # a 128k-token prompt is about 0.5 MB of text: a larger body is a mistake, refused before it is read
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 

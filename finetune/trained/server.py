@@ -20,25 +20,38 @@ from typing import Literal
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from finetune.data import formats
 from finetune.errors import UserError
+from finetune.trained.served_models import MAX_REQUEST_MB
 
 DEFAULT_MAX_TOKENS = 4096  # when a request gives none (and the context leaves more)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio, file: refused by Message, saying so
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: normalized as training data
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def text_only(cls, content):
+        for part in content if isinstance(content, list) else []:
+            if part.type != "text":
+                raise ValueError(f"{part.type} parts are not supported: the models served here read text only; "
+                                 "send the content as text")
+            if part.text is None:
+                raise ValueError("a text part needs its text")
+        return content
 
 
 class StreamOptions(BaseModel):
@@ -57,9 +70,34 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     tools: list[dict] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # OpenAI's int64; each of n choices samples from seed + i
     n: int = Field(1, ge=1, le=16)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+
+    @model_validator(mode="after")
+    def implemented(self):
+        """Fields that would change the answer and that this server does not implement: refused, never ignored."""
+        extra = self.model_extra or {}
+        refused = {
+            "response_format": (extra.get("response_format") or {"type": "text"}).get("type", "text") != "text"
+            if isinstance(extra.get("response_format"), dict) else extra.get("response_format") is not None,
+            "logit_bias": bool(extra.get("logit_bias")),
+            "tool_choice": extra.get("tool_choice") not in (None, "auto", "none"),
+            "functions": extra.get("functions") is not None or extra.get("function_call") is not None,
+            "modalities": extra.get("modalities") not in (None, ["text"]) or extra.get("audio") is not None,
+            "prediction": extra.get("prediction") is not None,
+        }
+        for field, asked in refused.items():
+            if asked:
+                raise ValueError(f"{field} is not implemented by finetune serve; leave it out (answers are plain "
+                                 "text from the model's chat template, stopped at its end tokens)")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -89,8 +127,9 @@ class Served:
     created: int
 
 
-def build_app(served: dict[str, Served], api_key: str | None = None) -> FastAPI:
+def build_app(served: dict[str, Served], api_key: str | None = None, max_request_mb: float = MAX_REQUEST_MB):
     app = FastAPI(title="finetune serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=int(max_request_mb * 2**20))
 
     @app.exception_handler(RequestError)
     async def refused(_, error: RequestError):
@@ -102,7 +141,8 @@ def build_app(served: dict[str, Served], api_key: str | None = None) -> FastAPI:
         where = ".".join(str(part) for part in first.get("loc", ())[1:])
         if first.get("type") == "json_invalid":
             return RequestError(400, "the request body is not valid JSON").response()
-        return RequestError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None).response()
+        said = str(first.get("msg")).removeprefix("Value error, ")
+        return RequestError(400, f"{where}: {said}" if where else said, param=where or None).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_, error: HTTPException):
@@ -123,18 +163,29 @@ def build_app(served: dict[str, Served], api_key: str | None = None) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    def unknown(name: str) -> RequestError:
+        return RequestError(404, f"the model {name!r} is not served here; GET /v1/models lists {', '.join(served)}",
+                            code="model_not_found", param="model")
+
+    def described(name: str) -> dict:
+        return {"id": name, "object": "model", "created": served[name].created, "owned_by": "finetune"}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": entry.created,
-                                            "owned_by": "finetune"} for name, entry in served.items()]}
+        return {"object": "list", "data": [described(name) for name in served]}
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str):
+        if name not in served:
+            raise unknown(name)
+        return described(name)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         entry = served.get(body.model)
         if entry is None:
-            raise RequestError(404, f"the model {body.model!r} is not served here; GET /v1/models lists "
-                                    f"{', '.join(served)}", code="model_not_found", param="model")
-        completion = _Completion(entry, body)
+            raise unknown(body.model)
+        completion = await _Completion(entry, body).start()
         if body.stream:
             return StreamingResponse(completion.events(), media_type="text/event-stream")
         return await completion.whole(request)
@@ -143,22 +194,76 @@ def build_app(served: dict[str, Served], api_key: str | None = None) -> FastAPI:
     return app
 
 
+class _BodyLimit:
+    """Refuse a request body over `limit` bytes with 413, by its Content-Length before it is read, or as it streams
+    in. An ASGI middleware of its own: Starlette's HTTP middleware would hide a client's disconnect from streams."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _drain(receive, {"more_body": True})
+            return await self._refuse(send)
+        seen, started = 0, False
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                await _drain(receive, message)
+                raise _TooLarge
+            return message
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        response = RequestError(413, f"the request body is over {self.limit / 2**20:g} MiB: send a shorter "
+                                     "conversation (the server's --max-request-mb sets the limit)",
+                                code="request_too_large")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": response.response().body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _drain(receive, message: dict) -> None:
+    """Read the rest of a body and drop it: a client still sending would see its connection reset instead of the
+    413. Nothing of it is kept or parsed."""
+    while message.get("more_body"):
+        message = await receive()
+
+
 class _Completion:
     """One request's choices: its rows submitted to the batcher, their tokens read back as they come."""
 
     def __init__(self, entry: Served, body: ChatCompletionRequest):
-        from finetune.trained.batching import Request as Row
-
         self.entry, self.body = entry, body
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        try:
-            conversation = formats.prompt([message.model_dump(exclude_none=True) for message in body.messages],
-                                          body.tools)
-            self.prompt = entry.chat.prompt_ids(conversation["messages"], conversation["tools"])
-        except formats.BadRow as error:
-            raise RequestError(400, str(error), param="messages") from None
-        except UserError as error:
-            raise RequestError(400, str(error), param="messages") from None
+
+    async def start(self) -> _Completion:
+        """Render and tokenize the conversation off the event loop (a long prompt takes seconds, during which other
+        clients' streams and /health must go on), then submit a row per choice."""
+        from finetune.trained.batching import Request as Row
+
+        body, entry = self.body, self.entry
+        self.prompt, self.continuing = await asyncio.to_thread(self._prompt_ids)
         room = entry.context - len(self.prompt)
         asked = body.max_completion_tokens or body.max_tokens
         if room <= 0 or (asked is not None and asked > room):
@@ -177,11 +282,26 @@ class _Completion:
                 list(self.prompt), asked or min(room, DEFAULT_MAX_TOKENS), deliver,
                 _never_ended if body.ignore_eos else chat.ended_by,
                 lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True), entry.adapter, body.temperature,
-                body.top_p, None if body.seed is None else body.seed + index, body.stops))
+                body.top_p, None if body.seed is None else body.seed + index, body.stops,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                top_logprobs=(body.top_logprobs or 0) if body.logprobs else None))
         self.shown = [{"reasoning_content": "", "content": ""} for _ in self.rows]
+        self.reported = [0] * body.n  # tokens whose logprobs a stream has sent
         self.finish: list[str | None] = [None] * body.n
         for row in self.rows:
             entry.batcher.submit(row)
+        return self
+
+    def _prompt_ids(self) -> tuple[list[int], bool]:
+        """The prompt's tokens, and whether it continues the conversation's last (assistant) message: a prefill that
+        the answer goes on from, as vLLM's continue_final_message, rather than a new turn after it."""
+        try:
+            conversation = formats.prompt([message.model_dump(exclude_none=True) for message in self.body.messages],
+                                          self.body.tools)
+            continuing = conversation["messages"][-1]["role"] == "assistant"
+            return self.entry.chat.prompt_ids(conversation["messages"], conversation["tools"], continuing), continuing
+        except (formats.BadRow, UserError) as error:
+            raise RequestError(400, str(error), param="messages") from None
 
     def cancel(self) -> None:
         for row in self.rows:
@@ -205,7 +325,10 @@ class _Completion:
             message = {"role": "assistant", **self._texts(index, final=True)}
             if not message["reasoning_content"]:
                 del message["reasoning_content"]
-            choices.append({"index": index, "message": message, "finish_reason": self.finish[index]})
+            choice = {"index": index, "message": message, "finish_reason": self.finish[index]}
+            if self.body.logprobs:
+                choice["logprobs"] = {"content": self._logprobs(index, 0)}
+            choices.append(choice)
         return JSONResponse({"id": self.id, "object": "chat.completion", "created": self.created,
                              "model": self.body.model, "choices": choices, "usage": self._usage()})
 
@@ -221,7 +344,7 @@ class _Completion:
                     self.finish[index] = self._finish_reason(reason)
                 delta = self._delta(index, final=reason is not None)
                 if delta:
-                    yield self._chunk(index, delta)
+                    yield self._chunk(index, delta, logprobs=self._new_logprobs(index))
                 if reason is not None:
                     yield self._chunk(index, {}, self.finish[index])
             if self.body.stream_options and self.body.stream_options.include_usage:
@@ -259,10 +382,31 @@ class _Completion:
                 self.shown[index][key] = text
         return delta
 
-    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None) -> str:
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
         return _event({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                       "model": self.body.model,
-                       "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason}]})
+                       "model": self.body.model, "choices": [choice]})
+
+    def _new_logprobs(self, index: int) -> list | None:
+        """The logprobs of the tokens generated since the stream's last chunk (None: not asked for)."""
+        if not self.body.logprobs:
+            return None
+        start, self.reported[index] = self.reported[index], len(self.rows[index].logprobs)
+        return self._logprobs(index, start)
+
+    def _logprobs(self, index: int, start: int) -> list[dict]:
+        """OpenAI's logprobs entries of a choice's tokens from `start`: each token's log-probability under the model
+        (before temperature, top_p and penalties), and the top_logprobs most likely tokens at its position."""
+        tokenizer = self.entry.chat.tokenizer
+
+        def entry(token: int, logprob: float) -> dict:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                for token, logprob, top in self.rows[index].logprobs[start:]]
 
     def _usage(self) -> dict:
         completion = sum(len(row.generated) for row in self.rows)
@@ -300,7 +444,7 @@ def load_served(targets) -> dict[str, Served]:
     return served
 
 
-def serve(arguments: list[str], host: str, port: int, api_key: str | None) -> int:
+def serve(arguments: list[str], host: str, port: int, api_key: str | None, max_request_mb: float) -> int:
     """Check the targets, load the models, and answer until interrupted."""
     import logging
 
@@ -324,5 +468,5 @@ def serve(arguments: list[str], host: str, port: int, api_key: str | None) -> in
     where = f"[{host}]" if ":" in host else host
     print(f"OpenAI-compatible API on http://{where}:{port}/v1 (models: GET /v1/models)"
           + ("; clients send the API key as their bearer token" if api_key else ""), flush=True)
-    uvicorn.run(build_app(served, api_key), host=host, port=port, log_level="warning")
+    uvicorn.run(build_app(served, api_key, max_request_mb), host=host, port=port, log_level="warning")
     return 0
