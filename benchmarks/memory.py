@@ -1,12 +1,13 @@
 """The memory plan against measurement: `finetune estimate`'s figure beside the peak of real training steps.
 
-Random-initialized Llama-architecture models with the real Llama 3.2 vocabulary (tied 128k embeddings) at three
-sizes up to the Llama-3.2-1B shape, trained on GSM8K packed into full rows of max_length tokens, one row per step,
-two steps, each case in a fresh process, the weights saved in bf16 as released checkpoints are:
+Random-initialized models with the real Llama 3.2 tokenizer, of two architectures: Llama (tied 128k embeddings) at
+three sizes up to the Llama-3.2-1B shape, and Qwen2 (q/k/v biases, 2 KV heads, a 152k vocabulary) at the
+Qwen2.5-1.5B shape, trained on GSM8K packed into full rows of max_length tokens, two steps, each case in a fresh
+process, the weights saved in bf16 as released checkpoints are:
 
   methods   LoRA fp32, LoRA bf16 (autocast), QLoRA (NF4 base)
   gradient checkpointing on and off
-  max_length 512 and 2048
+  max_length 512 and 2048; rows per step 1 (--batches 1,2 adds two)
 
 On the CPU the measure is the process's peak resident memory, while the weights load and in the steps (the
 `--device cpu` plan: its loading line and its total; the target compares the higher of each); on a GPU,
@@ -16,7 +17,8 @@ torch.cuda.max_memory_allocated in the steps (the plan's tensors). Target: withi
 once with TRL's SFTTrainer + PEFT with their defaults (same LoRA, the same conversations of 20 GSM8K exchanges,
 longer than 4096 tokens, fp32 and gradient checkpointing for both), and prints both peaks.
 
-    python benchmarks/memory.py [--sizes small,medium,1b] [--lengths 512,2048] [--methods lora-fp32,lora-bf16,qlora]
+    python benchmarks/memory.py [--sizes small,medium,1b,qwen2.5-1.5b] [--lengths 512,2048] [--batches 1,2]
+                                [--methods lora-fp32,lora-bf16,qlora] [--checkpointing on,off]
     python benchmarks/memory.py --compare-trl [--sizes 1b]
 
 Needs ../shared/assets (the Llama 3.2 tokenizer and GSM8K), or $FINETUNE_SHARED_ASSETS.
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import ASSETS, gsm8k_rows  # noqa: E402  (the benchmarks share their data)
 
-SIZES = {
+SIZES = {  # Llama's, but for those named after another architecture
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32),  # a smoke run of the script
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -43,6 +45,8 @@ SIZES = {
                    num_key_value_heads=4, head_dim=64),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),  # Llama-3.2-1B
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0),
 }
 METHODS = {
     "lora-fp32": ["method=lora", "train.bf16=false"],
@@ -54,14 +58,16 @@ TARGET = 0.15
 
 def make_model(folder: Path, size: str) -> None:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "llama-3.2-instruct")
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, tie_word_embeddings=True,
-                         rope_theta=500000.0, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **SIZES[size])
+    qwen = size.startswith("qwen")
+    shape = {"vocab_size": len(tokenizer), "rope_theta": 500000.0, **SIZES[size]}
+    config = (Qwen2Config if qwen else LlamaConfig)(
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **shape)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    (Qwen2ForCausalLM if qwen else LlamaForCausalLM)(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -75,9 +81,9 @@ def write_data(folder: Path, rows: int, turns: int = 1) -> Path:
     return data
 
 
-def case_overrides(method: str, checkpointing: bool, length: int) -> list[str]:
+def case_overrides(method: str, checkpointing: bool, length: int, rows: int = 1) -> list[str]:
     return [*METHODS[method], f"train.gradient_checkpointing={str(checkpointing).lower()}",
-            f"train.max_length={length}", "train.per_device_train_batch_size=1", "train.packing=true",
+            f"train.max_length={length}", f"train.per_device_train_batch_size={rows}", "train.packing=true",
             "lora.r=16", "lora.dropout=0.0", "train.disable_tqdm=true"]
 
 
@@ -95,7 +101,7 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
     loaded = load_recipe(recipe, overrides)
     here = devices.this_machine(cpu=not torch.cuda.is_available())
     plan = memory_plan.plan(loaded, shapes.model_shape(model_config(loaded), loaded), here,
-                            memory_plan.launch_of(None, 1), 1)
+                            memory_plan.launch_of(None, 1), loaded.train_setting("per_device_train_batch_size"))
     measured = probe(recipe, overrides)
     return {"planned": plan.measurable(), "measured": max(measured.peak, measured.loading),
             "planned_steps": plan.tensors() if here.cuda else plan.total(), "measured_steps": measured.peak,
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,medium,1b", help="with --compare-trl: the last one (1b)")
     parser.add_argument("--lengths", default="512,2048")
+    parser.add_argument("--batches", default="1", help="rows per step, comma-separated")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--checkpointing", default="on,off")
     parser.add_argument("--compare-trl", action="store_true")
@@ -163,26 +170,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def sweep(out: Path, data: Path, args) -> list[dict]:
     results = []
-    print(f"{'size':<7} {'method':<10} {'ckpt':<5} {'length':>6} {'steps: planned':>15} {'measured':>9} "
+    print(f"{'size':<12} {'method':<10} {'ckpt':<5} {'rows x length':>13} {'steps: planned':>15} {'measured':>9} "
           f"{'loading: planned':>17} {'measured':>9} {'peak: off':>10}", flush=True)
     for size in args.sizes.split(","):
         model = out / size
         make_model(model, size)
         recipe = out / f"{size}.yaml"
         recipe.write_text(f"model: {{name_or_path: {model}}}\ndata: {{train: {data}}}\n", encoding="utf-8")
-        for length in map(int, args.lengths.split(",")):
-            for method in args.methods.split(","):
-                for checkpointing in (c == "on" for c in args.checkpointing.split(",")):
-                    result = run_case(recipe, case_overrides(method, checkpointing, length))
-                    off = (result["planned"] - result["measured"]) / result["measured"]
-                    row = {"size": size, "method": method, "checkpointing": checkpointing, "max_length": length,
-                           **result, "off": off, "within": abs(off) <= TARGET}
-                    results.append(row)
-                    gib = {key: f"{value / 2**30:.2f}Gi" for key, value in result.items()}
-                    print(f"{size:<7} {method:<10} {'on' if checkpointing else 'off':<5} {length:>6} "
-                          f"{gib['planned_steps']:>15} {gib['measured_steps']:>9} {gib['planned_loading']:>17} "
-                          f"{gib['measured_loading']:>9} {off:>+10.1%}"
-                          f"{'' if row['within'] else '  (outside the target)'}", flush=True)
+        cases = [(rows, length, method, checkpointing) for rows in map(int, args.batches.split(","))
+                 for length in map(int, args.lengths.split(",")) for method in args.methods.split(",")
+                 for checkpointing in (c == "on" for c in args.checkpointing.split(","))]
+        for rows, length, method, checkpointing in cases:
+            result = run_case(recipe, case_overrides(method, checkpointing, length, rows))
+            off = (result["planned"] - result["measured"]) / result["measured"]
+            row = {"size": size, "method": method, "checkpointing": checkpointing, "rows": rows,
+                   "max_length": length, **result, "off": off, "within": abs(off) <= TARGET}
+            results.append(row)
+            gib = {key: f"{value / 2**30:.2f}Gi" for key, value in result.items()}
+            print(f"{size:<12} {method:<10} {'on' if checkpointing else 'off':<5} {f'{rows} x {length}':>13} "
+                  f"{gib['planned_steps']:>15} {gib['measured_steps']:>9} {gib['planned_loading']:>17} "
+                  f"{gib['measured_loading']:>9} {off:>+10.1%}"
+                  f"{'' if row['within'] else '  (outside the target)'}", flush=True)
         for path in model.iterdir():
             path.unlink()
     return results

@@ -67,7 +67,7 @@ def test_memory_script_puts_the_plan_beside_the_measure(tmp_path):
     assert case["measured"] == max(case["measured_steps"], case["measured_loading"]) > 0
     assert case["planned"] == max(case["planned_steps"], case["planned_loading"]) > 0
     row = next(line.split() for line in result.stdout.splitlines() if line.startswith("tiny"))
-    assert row[4:] == [f"{case[key] / 2**30:.2f}Gi" for key in ("planned_steps", "measured_steps", "planned_loading",
+    assert row[3:6] == ["1", "x", "128"] and row[6:] == [f"{case[key] / 2**30:.2f}Gi" for key in ("planned_steps", "measured_steps", "planned_loading",
                                                                  "measured_loading")] + [f"{case['off']:+.1%}"]
 
 

@@ -76,7 +76,8 @@ def test_parameter_counts_are_exact_from_the_config(tmp_path):
 def test_on_the_cpu_the_plan_counts_the_loading_peak_and_what_the_heap_keeps(tmp_path):
     """The Llama-3.2-1B shape saved in bf16, as benchmarks/memory.py measures it: on the CPU the process's peak is
     while loading (the fp32 weights built beside the mapped bf16 file), and QLoRA's dequantized weights stay
-    resident only below glibc's mmap threshold (the attention projections; not the 64 MiB MLP weights)."""
+    resident only below the mmap threshold a CPU run sets (4 MiB: the 2048 x 512 k and v projections, at 4 MiB,
+    are handed back too; a narrower model's stay)."""
     config = llama_3_2_3b(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
                           dtype="bfloat16")
     cpu, alone = devices.this_machine(cpu=True), memory_plan.launch_of(None, 1)
@@ -92,7 +93,12 @@ def test_on_the_cpu_the_plan_counts_the_loading_peak_and_what_the_heap_keeps(tmp
     qlora = recipe_for(tmp_path, "method=qlora", *overrides)
     plan = memory_plan.plan(qlora, shapes.model_shape(config, qlora), cpu, alone, 1)
     dequantized = next(line for line in plan.lines if line.what == "4-bit dequantization")
-    assert dequantized.fixed == 16 * (2 * 2048 * 2048 + 2 * 512 * 2048) * 4
+    assert dequantized.fixed == 0
+    narrow = llama_3_2_3b(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=4, head_dim=64, dtype="bfloat16")
+    plan = memory_plan.plan(qlora, shapes.model_shape(narrow, qlora), cpu, alone, 1)
+    dequantized = next(line for line in plan.lines if line.what == "4-bit dequantization")
+    assert dequantized.fixed == 8 * (2 * 512 * 512 + 2 * 256 * 512 + 3 * 512 * 1536) * 4  # every one under 4 MiB
 
 
 def test_shipped_recipes_on_their_hardware(hub_cache, capsys):

@@ -24,10 +24,12 @@ ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out
 # tokenizer, whose size follows its vocabulary (measured: 850 MiB with Llama 3.2's 128k tokens)
 CPU_PROCESS = 580 * MIB
 CPU_PROCESS_PER_TOKEN = 2200  # bytes per vocabulary entry
-# glibc's malloc hands blocks above its mmap threshold (at most 32 MiB) back to the system when freed, and keeps
-# smaller ones in its heap: bitsandbytes' dequantized weights on the CPU, one per Linear and pass, stay resident up
-# to that size (measured: the Llama-3.2-1B shape's attention projections do, its 64 MiB MLP weights do not)
-HEAP_BLOCK = 32 * MIB
+# glibc's malloc keeps freed blocks below its mmap threshold in its heap, and hands larger ones back to the system.
+# Left to itself the threshold rises to 32 MiB as large blocks are freed, and a CPU run then keeps, for every layer,
+# the forward's activations that gradient checkpointing frees (measured: 150 MiB a layer of the Qwen2.5-1.5B shape at
+# 2 x 1024 tokens, 3.2 GiB of its 11.6 GiB peak). A CPU run fixes the threshold here (training/run.py), so only
+# blocks below it stay: bitsandbytes' dequantized weights, one per Linear and pass, among them.
+HEAP_BLOCK = 4 * MIB
 TIGHT = 0.9  # above this share of the device a plan is "tight": fragmentation or a longer batch can tip it over
 
 # Optimizer state bytes per trainable parameter (fp32 master parameters).
@@ -183,7 +185,7 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
     elif recipe.method == "qlora":
-        kept = [size for size in shape.layer_linears if size * compute <= HEAP_BLOCK]
+        kept = [size for size in shape.layer_linears if size * compute < HEAP_BLOCK]
         add(Line("4-bit dequantization", shape.layers * sum(kept) * compute / shard,
                  note=f"dequantized weights up to {HEAP_BLOCK // MIB} MiB ({len(kept)} of {len(shape.layer_linears)} "
                       "a layer) stay in the C heap"))
