@@ -96,6 +96,20 @@ def tokens_per_second(rows: list[dict]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def eta_s(row: dict) -> float | None:
+    """The time a running run has left, at the pace of its steps so far (its progress row at `step`)."""
+    if not row.get("total_steps") or not row.get("step") or "elapsed_s" not in row:
+        return None
+    return row["elapsed_s"] / row["step"] * (row["total_steps"] - row["step"])
+
+
+def planned_left_s(plan: dict | None, step: int) -> float | None:
+    """What the run's time plan leaves of it after `step`, to set beside the measured ETA."""
+    if not plan or not step or not plan.get("steps"):
+        return None
+    return plan["total_s"] * max(0.0, 1 - step / plan["steps"])
+
+
 def planned(rows: list[dict]) -> dict | None:
     """The time plan the run made at its start: total_s, steps, processes, device, speed (where it came from)."""
     return next((row["plan"] for row in rows if "plan" in row), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def test_qlora_trains_on_cpu(tmp_path):
     config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 16
     assert progress(tmp_path / "run")[-1]["status"] == "completed"
+    # what it printed: a line a person reads per logging step, no Trainer dicts, no bar outside a terminal
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    shape = re.compile(r"step [1-6]/6 \| loss [\d.]+ \| lr [\d.e-]+ \| [\d,]+ tokens/s \| [\d.]+ GB \| ETA \dm\d\ds")
+    assert len(steps) == 6 and all(shape.fullmatch(line) for line in steps), result.stdout
+    assert "{'loss'" not in result.stdout + result.stderr and "%|" not in result.stderr
 
 
 def test_stop_request_saves_a_checkpoint_and_leaves_no_process(tmp_path):

@@ -45,10 +45,7 @@ class RunInfo:
 
     @property
     def eta_s(self) -> float | None:
-        last = self.last
-        if self.status != "running" or not last.get("total_steps") or not last.get("step"):
-            return None
-        return last["elapsed_s"] / last["step"] * (last["total_steps"] - last["step"])
+        return run_folder.eta_s(self.last) if self.status == "running" else None
 
     @property
     def plan(self) -> dict | None:
@@ -58,7 +55,4 @@ class RunInfo:
     @property
     def planned_left_s(self) -> float | None:
         """What that plan leaves of the run after its last logged step, to set beside the measured ETA."""
-        plan, last = self.plan, self.last
-        if not plan or not last.get("step") or not plan.get("steps"):
-            return None
-        return plan["total_s"] * max(0.0, 1 - last["step"] / plan["steps"])
+        return run_folder.planned_left_s(self.plan, self.last.get("step", 0))

@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from finetune.run_folder import EVAL_KEYS, RunFolder, is_stage_metric
+from finetune.recipe.time_plan import format_duration
+from finetune.run_folder import EVAL_KEYS, RunFolder, eta_s, is_stage_metric, planned, planned_left_s, read_rows
 
 logger = logging.getLogger("finetune")
 
@@ -23,6 +25,11 @@ class ProgressCallback(TrainerCallback):
     def __init__(self, trainer_elapsed, run_folder: RunFolder, tokens: int = 0, also=None):
         self.elapsed, self.run_folder, self.also = trainer_elapsed, run_folder, also
         self.last_time, self.last_tokens = time.monotonic(), tokens
+        self.plan: dict | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.plan = planned(read_rows(self.run_folder.path))  # the time plan the run made at its start
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -47,12 +54,35 @@ class ProgressCallback(TrainerCallback):
             return  # the end-of-training summary: the status line says it
         row.update(peak_memory_gb=round(peak_memory_gb(), 3), elapsed_s=round(self.elapsed(), 2))
         self.write(row)
-        logger.info(" | ".join(f"{key} {value}" for key, value in row.items()))
+        line = console_line(row, state.max_steps, self.plan)
+        logger.info(line)
+        tqdm.write(line, file=sys.stdout)  # above the training bar, where a terminal shows one
 
     def write(self, row: dict[str, Any]) -> None:
         self.run_folder.append(row)
         if self.also is not None:
             self.also(row)
+
+
+def console_line(row: dict[str, Any], total: int, plan: dict | None) -> str:
+    """A progress row as a person reads it: step 40/2,230 | loss 1.234 | eval loss 1.100 | lr 9.98e-04 |
+    1,234 tokens/s | 0.81 GB | ETA 3m10s (planned 3m05s). progress.jsonl keeps the row itself."""
+    parts = [f"step {row['step']:,}/{total:,}"]
+    if "loss" in row:
+        parts.append(f"loss {row['loss']:.4g}")
+    if "eval_loss" in row:
+        parts.append(f"eval loss {row['eval_loss']:.4g}")
+    if row.get("learning_rate") is not None:
+        parts.append(f"lr {row['learning_rate']:.3g}")
+    if row.get("tokens_per_second"):
+        parts.append(f"{row['tokens_per_second']:,.0f} tokens/s")
+    parts.append(f"{row['peak_memory_gb']:.2f} GB")
+    left = eta_s(row) if "loss" in row else None
+    if left is not None:
+        plan_left = planned_left_s(plan, row["step"])
+        parts.append(f"ETA {format_duration(left)}"
+                     + (f" (planned {format_duration(plan_left)})" if plan_left is not None else ""))
+    return " | ".join(parts)
 
 
 def peak_memory_gb() -> float:

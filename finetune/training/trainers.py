@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import DPOTrainer, GRPOTrainer, KTOTrainer, SFTTrainer
 
 from finetune.data.render import IGNORE
@@ -60,6 +62,12 @@ class RunFolderTrainer(TrainerHooks):
         self._last_step_seen = None
         super().__init__(*args, **kwargs)
         self.add_callback(StepsOfThisRecipe())
+        # The run prints one line per logging step (callbacks.ProgressCallback), not the Trainer's dicts; its bar
+        # only where a terminal shows it (in a log file a nested evaluation bar leaves cursor codes).
+        self.remove_callback(PrinterCallback)
+        self.remove_callback(ProgressCallback)
+        if not self.args.disable_tqdm and sys.stderr.isatty():
+            self.add_callback(TerminalBar)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.monotonic() - self.started
@@ -258,6 +266,13 @@ def _token_counts(inputs, real) -> tuple:
 
 class RunTrainer(RunFolderTrainer, SFTTrainer):
     pass
+
+
+class TerminalBar(ProgressCallback):
+    """The Trainer's progress bars without its printed logs: each logging step's line is ours."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 class StepsOfThisRecipe(TrainerCallback):
