@@ -34,3 +34,12 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_source_tree(tmp_path)
     missing = sorted(source_files() - in_wheel)
     assert not missing, f"the wheel lacks {missing}: add their packages to pyproject.toml"
     assert "finetune/hooks/transformers.py" in in_wheel and "finetune/shipped_recipes/quickstart.yaml" in in_wheel
+
+
+def test_every_package_folder_is_a_regular_package():
+    """No namespace packages: each folder that ships is a package with an __init__.py (and its one-line purpose)."""
+    folders = {path.parent for folder in INSTALLED_AS for path in (REPO / folder).rglob("*")
+               if path.is_file() and path.suffix in SHIPPED and "__pycache__" not in path.parts}
+    bare = sorted(str(folder.relative_to(REPO)) for folder in folders if not (folder / "__init__.py").is_file()
+                  and folder.parent != REPO)
+    assert not bare, f"folders without an __init__.py: {bare}"
