@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune import builtin, hub
+from finetune.hooks.transformers import isolate_packed_examples
 from finetune.data.render import training_template
 from finetune.errors import UserError
 
@@ -231,32 +232,6 @@ def four_bit_config(dtype, sharded: bool):
     storage = {"bnb_4bit_quant_storage": dtype} if sharded else {}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype, **storage)
-
-
-def isolate_packed_examples(model) -> None:
-    """Keep packed examples from attending to each other in GPT-OSS.
-
-    transformers (5.17) builds the attention masks of most models from position_ids, so examples packed in one row
-    (positions restarting at 0) see only themselves; GptOssModel.forward leaves position_ids out of its mask
-    calls, and under eager or sdpa attention every example would attend to the ones before it. A hook on the
-    decoder builds the masks from position_ids and hands them in, as `generate` does with precomputed masks."""
-    if model.config.model_type != "gpt_oss":
-        return
-    import torch
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    def with_masks(decoder, args, kwargs):
-        positions = kwargs.get("position_ids")
-        if positions is None or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
-            return None
-        shape_only = torch.empty(*positions.shape, 0, dtype=decoder.embed_tokens.weight.dtype, device=positions.device)
-        mask = dict(config=decoder.config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None,
-                    position_ids=positions)
-        kwargs["attention_mask"] = {"full_attention": create_causal_mask(**mask),
-                                    "sliding_attention": create_sliding_window_causal_mask(**mask)}
-        return args, kwargs
-
-    model.get_decoder().register_forward_pre_hook(with_masks, with_kwargs=True)
 
 
 def default_attention(config) -> str | None:

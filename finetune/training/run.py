@@ -22,6 +22,7 @@ from accelerate import PartialState
 from finetune.data.collate import PackedRowsCollator
 from finetune.data.report import describe_data
 from finetune.errors import RunFailed, UserError
+from finetune.hooks.transformers import hide_resume_arguments_warning
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
 from finetune.recipe import devices, memory_plan, rewards, shapes, time_plan
@@ -163,7 +164,7 @@ def _fit(recipe, state, stop, point, run_folder, tokenizer, data, models, peft_c
                                     also=tracker.log_row if tracker else None)
         trainer.add_callback(progress)
         if point:
-            logging.getLogger("transformers.trainer_utils").addFilter(_checkpoint_arguments_warning)
+            hide_resume_arguments_warning()
         board = _log_to_tensorboard(trainer, run_folder, point)
         samples = _samples_callback(recipe, data, renderer, progress, board) if recipe.eval.samples else None
         if samples:
@@ -320,12 +321,6 @@ def check_final_weights(folder: Path, method: str, step: int) -> None:
                         "the run's checkpoints are kept (FSDP's sharded ones: `accelerate merge-weights` makes them "
                         "whole)",
                         every_process_alike=False)
-
-
-def _checkpoint_arguments_warning(record: logging.LogRecord) -> bool:
-    """Keeps out the Trainer's warning that a resumed run's batch split or steps differ from its checkpoint's: the
-    resume plan checked them (the global batch stays) and said what changed in a note of its own."""
-    return not record.getMessage().startswith("Warning: The following arguments do not match")
 
 
 def _final_from_checkpoint(point: ResumePoint, run_folder: RunFolder, recipe, state) -> Path:

@@ -221,10 +221,6 @@ class RunFolderTrainer(TrainerHooks):
     def after_model_saved(self, folder: Path) -> None:
         """After every save of the model (checkpoints and final/)."""
 
-    def planned_steps(self) -> int:
-        """The optimizer steps the run trains in all, as the Trainer plans them (max_steps, or its epochs)."""
-        return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
-
     def resume_state(self) -> dict[str, Any]:
         """What a resumed run needs besides what the Trainer saves itself."""
         return {
