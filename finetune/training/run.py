@@ -25,7 +25,7 @@ from finetune.errors import RunFailed, UserError
 from finetune.hooks.transformers import hide_resume_arguments_warning
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
-from finetune.recipe import devices, memory_plan, rewards, shapes, time_plan
+from finetune.recipe import devices, memory_plan, shapes, time_plan
 from finetune.recipe.schema import load_recipe
 from finetune.recipe.train_section import trains_on_cpu
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, planned, read_rows
@@ -127,39 +127,17 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
         if tracker:
             tracker.start()
         state.wait_for_everyone()  # the folder is there (and rewound) before any process writes into it
-        return _fit(recipe, state, stop, point, run_folder, tokenizer, data, (model, reference), peft_config, args,
-                    rows_collator, callbacks, tracker)
+        prepared = trainers.Prepared(recipe, tokenizer, _renderer(recipe, tokenizer), data, model, peft_config,
+                                     reference, args, rows_collator, list(callbacks))
+        return _fit(prepared, state, stop, point, run_folder, tracker)
 
 
-def _fit(recipe, state, stop, point, run_folder, tokenizer, data, models, peft_config, args, rows_collator,
-         callbacks, tracker: MlflowTracking | None) -> str:
-    """`models`: the model to train and the stage's reference model (or None); `rows_collator`: PackedRowsCollator
-    for packed rows batched as rows, else None (the trainer's own collator)."""
+def _fit(prepared: trainers.Prepared, state, stop, point: ResumePoint | None, run_folder: RunFolder,
+         tracker: MlflowTracking | None) -> str:
+    recipe, tokenizer, data, renderer = prepared.recipe, prepared.tokenizer, prepared.data, prepared.renderer
     trainer = None
-    model, reference = models
-    renderer = _renderer(recipe, tokenizer)
     try:
-        trainer = trainers.build(
-            recipe.stage,
-            renderer=renderer,
-            reward_functions=rewards.build(recipe.grpo["rewards"], tokenizer) if recipe.stage == "grpo" else None,
-            reference=reference,
-            model=model,
-            args=args,
-            data_collator=rows_collator,
-            train_dataset=data.train,
-            eval_dataset=data.eval,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            callbacks=list(callbacks),
-            run_folder=run_folder,
-            recipe_yaml=recipe.to_yaml(),
-            stop=stop,
-            save_total_limit=recipe.train.get("save_total_limit"),
-            max_length=recipe.train["max_length"],
-            similar_lengths="train_sampling_strategy" not in recipe.train,
-            resumed=point.state if point else None,
-        )
+        trainer = trainers.build(prepared, run_folder, stop, point.state if point else None)
         progress = ProgressCallback(trainer.elapsed, run_folder, trainer.real_tokens,
                                     also=tracker.log_row if tracker else None)
         trainer.add_callback(progress)

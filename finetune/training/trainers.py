@@ -23,6 +23,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from finetune.data.sampler import SimilarLengthSampler
 from finetune.errors import RunFailed
 from finetune.hooks import trl as trl_hooks
 from finetune.hooks.transformers import TrainerHooks
+from finetune.recipe import rewards
 from finetune.run_folder import RunFolder, latest_checkpoint
 from finetune.training import faults
 
@@ -310,16 +312,42 @@ class GrpoRunTrainer(RunFolderTrainer, GRPOTrainer):
     pass
 
 
-def build(stage: str, *, data_collator, renderer, reward_functions, reference, **kwargs):
-    """The stage's trainer. `reference`: DPO's and KTO's reference model, None where TRL needs none. kwargs: those of
-    RunFolderTrainer and of TRL's trainers that every stage takes."""
-    if stage == "sft":
-        return RunTrainer(data_collator=data_collator, **kwargs)
-    kwargs["similar_lengths"] = False  # TRL's own order (GRPO's groups of generations need its sampler)
-    if stage == "dpo":
-        return DpoRunTrainer(ref_model=reference, **kwargs)
-    if stage == "kto":
-        return KtoRunTrainer(ref_model=reference, **kwargs)
-    trainer = GrpoRunTrainer(reward_funcs=reward_functions, **kwargs)
+@dataclass
+class Prepared:
+    """What a run has prepared before its trainer is built: the recipe, tokenizer and renderer, the prepared data,
+    the model (with the adapter's PEFT config, where TRL adds it) and the stage's reference model (or None), the
+    stage's TRL config, the collator of packed rows batched as rows (None: the trainer's own) and extra callbacks."""
+
+    recipe: Any
+    tokenizer: Any
+    renderer: Any  # data.render.Renderer
+    data: Any  # data.pipeline.PreparedData
+    model: Any
+    peft_config: Any
+    reference: Any
+    args: Any
+    rows_collator: Any
+    callbacks: list
+
+
+def build(prepared: Prepared, run_folder: RunFolder, stop, resumed: dict[str, Any] | None) -> RunFolderTrainer:
+    """The stage's trainer over what the run prepared; `resumed`: the checkpoint's state a resumed run goes on
+    from."""
+    recipe = prepared.recipe
+    common = dict(
+        model=prepared.model, args=prepared.args, train_dataset=prepared.data.train,
+        eval_dataset=prepared.data.eval, processing_class=prepared.tokenizer, peft_config=prepared.peft_config,
+        callbacks=list(prepared.callbacks), run_folder=run_folder, recipe_yaml=recipe.to_yaml(), stop=stop,
+        save_total_limit=recipe.train.get("save_total_limit"), max_length=recipe.train["max_length"],
+        similar_lengths="train_sampling_strategy" not in recipe.train, resumed=resumed)
+    if recipe.stage == "sft":
+        return RunTrainer(data_collator=prepared.rows_collator, **common)
+    common["similar_lengths"] = False  # TRL's own order (GRPO's groups of generations need its sampler)
+    if recipe.stage == "dpo":
+        return DpoRunTrainer(ref_model=prepared.reference, **common)
+    if recipe.stage == "kto":
+        return KtoRunTrainer(ref_model=prepared.reference, **common)
+    trainer = GrpoRunTrainer(reward_funcs=rewards.build(recipe.grpo["rewards"], prepared.tokenizer), **common)
+    renderer = prepared.renderer
     trl_hooks.render_prompts_with(trainer, renderer.template, renderer.template_kwargs)  # on the same fixed date
     return trainer
