@@ -188,7 +188,7 @@ def planned_gib(recipe: Path, overrides: list[str]) -> float:
     """What `finetune estimate --probe` compares with the measured peak: the plan's tensors on this GPU (the whole
     process on the CPU), one process."""
     from finetune.models.loading import model_config
-    from finetune.recipe import devices, memory_plan, shapes
+    from finetune.plan import devices, memory_plan, shapes
     from finetune.recipe.schema import load_recipe
     from finetune.recipe.train_section import trains_on_cpu
 

@@ -93,7 +93,7 @@ def measure_one(recipe: str, overrides: list[str]) -> dict:
 
     from finetune.models import backends
     from finetune.models.loading import model_config
-    from finetune.recipe import devices, memory_plan, shapes
+    from finetune.plan import devices, memory_plan, shapes
     from finetune.recipe.schema import load_recipe
     from finetune.training.probe import probe
 

@@ -8,8 +8,8 @@ import os
 import sys
 
 from finetune.errors import UserError
-from finetune.trained.served_models import MAX_REQUEST_MB
 from finetune.trained.evaluate import DEFAULT_METRICS
+from finetune.trained.served_models import MAX_REQUEST_MB
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.recipe import devices, flops, memory_plan, shapes, time_plan
+from finetune.plan import devices, flops, memory_plan, shapes, time_plan
 
 TOKENS_SOURCE = "from --tokens: rows of max_length, every token carrying loss"
 COMPARE = re.compile(r"^(?P<card>[a-z0-9-]+)x(?P<count>\d+)$")

@@ -16,6 +16,7 @@ WINGS = [
     ("data", ["finetune.data"]),
     ("models", ["finetune.models"]),
     ("recipe", ["finetune.recipe"]),
+    ("plan", ["finetune.plan"]),
     ("trained model", ["finetune.trained"]),
     ("training", ["finetune.training"]),
     ("commands and panel", ["finetune.cli", "finetune.plan_commands", "finetune.model_commands", "finetune.train",

@@ -10,7 +10,7 @@ import pytest
 
 from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
-from finetune.recipe import devices, memory_plan, shapes
+from finetune.plan import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
 from tests.conftest import REPO, cli_here, run_cli, train_here, write_recipe
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetune.models.architectures import tiny_gpt_oss, tiny_llama_3_2
-from finetune.recipe import devices, flops, memory_plan, shapes, time_plan
+from finetune.plan import devices, flops, memory_plan, shapes, time_plan
 from finetune.recipe.schema import load_recipe, recipe_from_dict
 from tests.conftest import cli_here, train_here, write_recipe
 

@@ -8,7 +8,7 @@ import pandas as pd
 
 from finetune import run_folder
 from finetune.mlflow_store import recorded
-from finetune.recipe.time_plan import format_duration
+from finetune.plan.time_plan import format_duration
 from finetune.ui.chat_models import ChatModels, unloaded_note
 from finetune.ui.run_info import RunInfo
 from finetune.ui.workspace import PanelError, Workspace

@@ -6,7 +6,7 @@ import gradio as gr
 import pandas as pd
 
 from finetune import run_folder
-from finetune.recipe.time_plan import format_duration
+from finetune.plan.time_plan import format_duration
 from finetune.ui.run_info import RunInfo
 from finetune.ui.workspace import Workspace
 

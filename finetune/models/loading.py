@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune import builtin, hub
-from finetune.hooks.transformers import isolate_packed_examples
 from finetune.data.render import training_template
 from finetune.errors import UserError
+from finetune.hooks.transformers import isolate_packed_examples
 
 # A model folder holds at least one of these where it has a tokenizer (fast, SentencePiece, BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")

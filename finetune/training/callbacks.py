@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from finetune.recipe.time_plan import format_duration
+from finetune.plan.time_plan import format_duration
 from finetune.run_folder import EVAL_KEYS, RunFolder, eta_s, is_stage_metric, planned, planned_left_s, read_rows
 
 logger = logging.getLogger("finetune")

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from finetune.data.pipeline import PreparedData, prepare
 from finetune.models import backends
 from finetune.models.loading import check_token_ids, load_tokenizer, model_config
-from finetune.recipe import memory_plan, stage_sections
+from finetune.plan import memory_plan
+from finetune.recipe import stage_sections
 from finetune.recipe.train_section import check_device_options, trains_on_cpu
 from finetune.run_folder import check_free, check_writable, read_rows
 from finetune.training import resuming

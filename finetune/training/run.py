@@ -25,7 +25,7 @@ from finetune.errors import RunFailed, UserError
 from finetune.hooks.transformers import hide_resume_arguments_warning
 from finetune.models import backends
 from finetune.models.loading import load_model, load_reference_model, model_config, training_precision
-from finetune.recipe import devices, memory_plan, shapes, time_plan
+from finetune.plan import devices, memory_plan, shapes, time_plan
 from finetune.recipe.schema import load_recipe
 from finetune.recipe.train_section import trains_on_cpu
 from finetune.run_folder import FINAL_NAME, LOG_NAME, STOP_NAME, RunFolder, planned, read_rows

@@ -25,8 +25,8 @@ from pathlib import Path
 import yaml
 
 from finetune import run_folder
-from finetune.recipe import flops, shapes
-from finetune.recipe.devices import Device, format_bytes
+from finetune.plan import flops, shapes
+from finetune.plan.devices import Device, format_bytes
 
 # The share of a card's dense bf16 peak that training reaches (model FLOPs utilization), by backend. Assumed: a
 # LoRA fine-tune of a 1B-8B model with sequence packing and FlashAttention is commonly reported at 30-45% on A100 and

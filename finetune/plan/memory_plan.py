@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.errors import UserError
-from finetune.recipe.devices import MIB, Device, format_bytes
-from finetune.recipe.shapes import Shape
+from finetune.plan.devices import MIB, Device, format_bytes
+from finetune.plan.shapes import Shape
 
 CUDA_CONTEXT = 600 * MIB  # the CUDA context and kernels of torch, cuBLAS and NCCL: outside torch's own counters
 ALLOCATOR_SLACK = 0.06  # blocks the caching allocator holds but cannot hand out (fragmentation), of the tensors
