@@ -264,7 +264,7 @@ def ddp(recipe: Path, run: Path, overrides: list[str]) -> tuple[str, str]:
 ONE_GPU_RANK = """
 import sys, torch.distributed
 torch.distributed.init_process_group("gloo")
-from finetune.cli import main
+from finetune.commands.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 

@@ -1,5 +1,5 @@
 import sys
 
-from finetune.cli import main
+from finetune.commands.cli import main
 
 sys.exit(main())

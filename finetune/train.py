@@ -3,7 +3,7 @@
 
 import sys
 
-from finetune.cli import main
+from finetune.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

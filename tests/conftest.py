@@ -120,7 +120,7 @@ def launch_cli(accelerate_config: str, *args: str, cwd: Path | None = None, time
 def cli_here(capsys, *args: str) -> tuple[int, str, str]:
     """`finetune ARGS` in this process, for checks that need no fresh interpreter (no start-up paid, no
     environment of their own): its exit status, stdout and stderr."""
-    from finetune.cli import main
+    from finetune.commands.cli import main
 
     code = main(list(args))
     out, err = capsys.readouterr()
@@ -131,7 +131,7 @@ def train_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProce
     """`finetune train ARGS` on one process, in this process: the interpreter's start and the libraries' imports
     (about 10 s) are not paid again. For runs whose test needs no environment of its own, no clean console and no
     peak memory of the process; its exit status and output come back as run_cli's do."""
-    from finetune.cli import main
+    from finetune.commands.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd or Path.cwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

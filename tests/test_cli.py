@@ -98,7 +98,7 @@ def test_options_and_overrides_go_where_they_belong(tmp_path):
 def test_every_option_says_what_it_does_and_its_default():
     import argparse
 
-    from finetune.cli import build_parser
+    from finetune.commands.cli import build_parser
 
     parser = build_parser()
     commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))

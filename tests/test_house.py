@@ -19,8 +19,8 @@ WINGS = [
     ("plan", ["finetune.plan"]),
     ("trained model", ["finetune.trained"]),
     ("training", ["finetune.training"]),
-    ("commands and panel", ["finetune.cli", "finetune.plan_commands", "finetune.model_commands", "finetune.train",
-                            "finetune.__main__", "finetune.doctor", "finetune.ui", "finetune.eval_tasks"]),
+    ("commands and panel", ["finetune.commands", "finetune.train", "finetune.__main__", "finetune.ui",
+                            "finetune.eval_tasks"]),
 ]
 
 

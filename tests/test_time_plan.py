@@ -271,6 +271,6 @@ def test_estimate_says_figures_as_people_read_them(capsys):
     code, out, _ = cli_here(capsys, "estimate", "quickstart", "--gpu", "a10", "--tokens", "256",
                             "train.max_steps=1")
     assert "Time plan: 1 step over 256 tokens" in out
-    from finetune.plan_commands import _seconds
+    from finetune.commands.plan_commands import _seconds
 
     assert [_seconds(s) for s in (0.729, 4.51, 75)] == ["729 ms", "4.51 s", "1m15s"]

@@ -120,8 +120,8 @@ def ddp_check(processes: int | None) -> str:
     if gpus and processes > gpus:
         raise CommandFailed(f"--ddp {processes}: only {gpus} GPUs are visible")
     port = _free_port()
-    workers = [subprocess.Popen([sys.executable, "-m", "finetune.doctor", str(rank), str(processes), str(port),
-                                 backend], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    workers = [subprocess.Popen([sys.executable, "-m", "finetune.commands.doctor", str(rank), str(processes),
+                                 str(port), backend], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
                for rank in range(processes)]
     try:
@@ -215,7 +215,7 @@ def _say(**message) -> None:
 
 
 def worker(rank: int, processes: int, port: int, backend: str) -> None:
-    """One rank of the health check (run as `python -m finetune.doctor RANK N PORT BACKEND`)."""
+    """One rank of the health check (run as `python -m finetune.commands.doctor RANK N PORT BACKEND`)."""
     from datetime import timedelta
 
     import torch

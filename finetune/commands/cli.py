@@ -9,9 +9,9 @@ import os
 import sys
 
 from finetune import __version__
+from finetune.commands.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
+from finetune.commands.plan_commands import estimate_command
 from finetune.errors import UserError
-from finetune.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
-from finetune.plan_commands import estimate_command
 from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
 from finetune.trained.served_models import MAX_REQUEST_MB
 
@@ -273,7 +273,7 @@ def _add_ui(commands) -> None:
 
 
 def doctor_command(args) -> int:
-    from finetune import doctor
+    from finetune.commands import doctor
 
     print(doctor.report(args.output_dir), flush=True)
     if args.ddp is not None:
