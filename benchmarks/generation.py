@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.render import Renderer
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder), args.size)

@@ -101,7 +101,7 @@ def logits(model, inputs):
 @pytest.mark.parametrize("architecture, method", [("llama", "lora"), ("llama", "qlora"), ("gpt-oss", "lora"),
                                                   ("gpt-oss", "qlora")])
 def test_adapter_export_reloads_with_plain_peft_identically(trained, models, tmp_path, architecture, method, capsys):
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     run = trained(architecture, method)
     out = tmp_path / "export"
@@ -128,7 +128,7 @@ def test_merged_export_in_float32_generates_like_the_trained_model(trained, tmp_
     """GPT-OSS's merge includes the adapters on the expert weights (target_parameters)."""
     import torch
 
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     run = trained(architecture, "lora")
     out = tmp_path / "merged"
@@ -214,7 +214,7 @@ def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(
 
 
 def test_a_local_base_is_named_by_its_hub_origin(tmp_path):
-    from finetune.trained.model_card import base_origin
+    from finetune.trained_model.model_card import base_origin
 
     cached = tmp_path / "hub" / "models--meta-llama--Llama-3.2-3B-Instruct" / "snapshots" / "abc123"
     cached.mkdir(parents=True)
@@ -243,7 +243,7 @@ def test_fully_fine_tuned_mixture_of_experts_exports_in_bf16(trained, tmp_path, 
 
 
 def test_chat_stops_at_the_end_token_it_learned(trained, capsys):
-    from finetune.trained.chat import Chat, Sampling
+    from finetune.trained_model.chat import Chat, Sampling
 
     run = trained("llama", "lora")
     reply = Chat(run / "final").reply(PROMPT, Sampling(max_new_tokens=40, temperature=0))
@@ -255,7 +255,7 @@ def test_chat_stops_at_the_end_token_it_learned(trained, capsys):
 
 def test_gpt_oss_chat_shows_reasoning_apart_and_stops_at_return(trained):
     """The analysis message ends with <|end|>; generation goes on to the final answer and stops at <|return|>."""
-    from finetune.trained.chat import Chat, Piece, Reply, Sampling
+    from finetune.trained_model.chat import Chat, Piece, Reply, Sampling
 
     chat = Chat(trained("gpt-oss", "full") / "final")
     items = list(chat.stream(PROMPT, Sampling(max_new_tokens=60, temperature=0)))
@@ -277,7 +277,7 @@ def test_chat_renders_conversations_as_training_did(trained, architecture):
     assistant turn it trained on."""
     from finetune.data.render import IGNORE, Renderer
     from finetune.models.loading import load_tokenizer
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     chat = Chat(trained(architecture, "lora") / "final")
     data = chat.folder.recipe.data
@@ -296,7 +296,7 @@ def test_chat_renders_conversations_as_training_did(trained, architecture):
 
 def test_chat_worker_process(trained, tmp_path):
     from finetune.errors import UserError
-    from finetune.trained.chat import Chat, ChatWorker, Sampling
+    from finetune.trained_model.chat import Chat, ChatWorker, Sampling
 
     final = trained("llama", "lora") / "final"
     greedy_settings = Sampling(max_new_tokens=20, temperature=0)
@@ -310,7 +310,7 @@ def test_chat_worker_process(trained, tmp_path):
 
 def test_bad_paths_get_clear_errors(trained, models, tmp_path, capsys):
     from finetune.errors import UserError
-    from finetune.trained.saved_model import locate
+    from finetune.trained_model.saved_model import locate
 
     run = trained("llama", "lora")
     code, _, err = cli_here(capsys, "chat", str(tmp_path / "nowhere"), "--prompt", "hi")
@@ -356,7 +356,7 @@ def test_export_refusals_leave_nothing(trained, tmp_path, capsys, monkeypatch):
 def test_failed_check_exits_nonzero_and_writes_nothing(trained, tmp_path, monkeypatch):
     """A merged bf16 export differs from the unmerged model by rounding; with no rounding allowed, it must fail."""
     from finetune.errors import CommandFailed
-    from finetune.trained import export
+    from finetune.trained_model import export
 
     monkeypatch.setitem(export.TOLERANCE, "bfloat16", 0.0)
     with pytest.raises(CommandFailed, match="export check failed") as failure:

@@ -15,7 +15,7 @@ from tests.conftest import REPO, asset, cli_here, run_cli, train_here
 
 def test_gsm8k_answers_extract_to_the_number_after_the_marks():
     from finetune.recipe.sections import DataSection
-    from finetune.trained.evaluate import extract_answer, load_examples, score_answers
+    from finetune.trained_model.evaluate import extract_answer, load_examples, score_answers
 
     path = asset("datasets/gsm8k/test.jsonl")
     examples = load_examples(str(path), DataSection(format="alpaca",
@@ -39,7 +39,7 @@ def test_gsm8k_answers_extract_to_the_number_after_the_marks():
 
 
 def test_rouge_and_bleu_come_from_their_libraries():
-    from finetune.trained.evaluate import score_answers
+    from finetune.trained_model.evaluate import score_answers
 
     answers = [{"answer": "the cat sat on the mat", "reference": "the cat sat on the mat", "stopped": True,
                 "tokens": 6},
@@ -51,7 +51,7 @@ def test_rouge_and_bleu_come_from_their_libraries():
 
 @pytest.mark.integration
 def test_batched_answers_are_the_answers_one_at_a_time(quickstart_workspace):
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     assert quickstart_workspace.result.returncode == 0, quickstart_workspace.result.stderr[-3000:]
     chat = Chat(quickstart_workspace.run)

@@ -17,7 +17,7 @@ WINGS = [
     ("models", ["finetune.models"]),
     ("recipe", ["finetune.recipe"]),
     ("plan", ["finetune.plan"]),
-    ("trained model", ["finetune.trained"]),
+    ("trained model", ["finetune.trained_model"]),
     ("training", ["finetune.training"]),
     ("commands and panel", ["finetune.commands", "finetune.train", "finetune.__main__", "finetune.ui",
                             "finetune.eval_tasks"]),

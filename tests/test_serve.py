@@ -143,8 +143,8 @@ def test_gpt_oss_reasoning_comes_back_apart_from_the_answer(client):
 def test_tools_and_earlier_tool_calls_reach_the_template_as_training_wrote_them(client, gpt_oss_greeter):
     """A request's tools, and an earlier tool call with its arguments as the JSON string OpenAI clients send, are
     rendered as the training data's form renders them (arguments as an object): the same prompt tokens."""
-    from finetune.trained import saved_model
-    from finetune.trained.chat import renderer_of
+    from finetune.trained_model import saved_model
+    from finetune.trained_model.chat import renderer_of
 
     tools = [{"type": "function", "function": {"name": "wave", "description": "Wave at someone.", "parameters": {
         "type": "object", "properties": {"to": {"type": "string"}}, "required": ["to"]}}}]
@@ -245,7 +245,7 @@ def test_keys_and_binds(tmp_path, capsys):
     """Beyond 127.0.0.1 only with a key, refused before anything loads; the key is checked as a bearer token."""
     from starlette.testclient import TestClient
 
-    from finetune.trained.server import build_app
+    from finetune.trained_model.server import build_app
 
     code, _, err = cli_here(capsys, "serve", str(tmp_path), "--host", "0.0.0.0")
     assert code == 2 and "--host 0.0.0.0 makes the models answer other machines: add --api-key KEY" in err
@@ -265,8 +265,8 @@ def test_vllm_is_refused_here_and_would_serve_the_same_targets_as_trained(server
     their one base, the key kept off it, through a template that renders prompts as training did, date included."""
     from finetune.data.render import Renderer
     from finetune.errors import UserError
-    from finetune.trained.served_models import parse_targets
-    from finetune.trained.vllm_engine import dated_template, vllm_command
+    from finetune.trained_model.served_models import parse_targets
+    from finetune.trained_model.vllm_engine import dated_template, vllm_command
 
     folder = server[1].parent
     code, _, err = cli_here(capsys, "serve", str(folder / "red"), "--engine", "vllm", "--api-key", "sesame")
@@ -295,7 +295,7 @@ def test_eval_scores_served_models_as_it_scores_them_here(server, quickstart_wor
     """`finetune eval --server` on the served quickstart model finds what `finetune eval` finds on its run: the same
     greedy answers, metrics and stop rate; the red adapter beside it answers "red" to every prompt."""
     from finetune.builtin import resolve_dataset
-    from finetune.trained.evaluate import Settings, evaluate_one, load_examples, resolve_target
+    from finetune.trained_model.evaluate import Settings, evaluate_one, load_examples, resolve_target
 
     data = tmp_path / "held-out.jsonl"
     data.write_text("\n".join(Path(resolve_dataset("builtin:greetings")).read_text().splitlines()[-12:]) + "\n")
@@ -320,7 +320,7 @@ def test_lm_evaluation_harness_reaches_the_server_through_its_own_client(server)
     lm_eval = pytest.importorskip("lm_eval", reason="the eval extra is not installed")
     from lm_eval.tasks import TaskManager
 
-    from finetune.trained.harness import SHIPPED_TASKS
+    from finetune.trained_model.harness import SHIPPED_TASKS
 
     output = lm_eval.simple_evaluate(
         model="local-chat-completions", tasks=["finetune_greetings"], apply_chat_template=True, limit=8,
@@ -405,7 +405,7 @@ def test_a_fault_in_one_rows_hand_over_ends_that_row_only():
     from transformers import AutoModelForCausalLM
 
     from finetune import builtin
-    from finetune.trained.batching import Batcher, Request
+    from finetune.trained_model.batching import Batcher, Request
 
     model = AutoModelForCausalLM.from_pretrained(builtin.resolve_model("builtin:tiny-llama"))
     ends = {}

@@ -28,7 +28,7 @@ class ChatModels:
 
     def get(self, session: str, folder, base: bool):
         """The worker for `session` to chat with `folder` (or, `base`, with the model it started from)."""
-        from finetune.trained.chat import ChatWorker  # light: the model loads in the worker's own process
+        from finetune.trained_model.chat import ChatWorker  # light: the model loads in the worker's own process
 
         key = (str(folder), base)
         with self._lock:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from finetune.errors import UserError
-from finetune.trained.chat import Piece, Sampling
+from finetune.trained_model.chat import Piece, Sampling
 from finetune.ui.chat_models import ChatModels
 from finetune.ui.workspace import PanelError, Workspace
 

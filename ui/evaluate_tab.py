@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import gradio as gr
 import pandas as pd
 
-from finetune.trained.evaluate import DEFAULT_METRICS, METRICS, shown_value
+from finetune.trained_model.evaluate import DEFAULT_METRICS, METRICS, shown_value
 from finetune.ui.workspace import PanelError, Workspace
 
 

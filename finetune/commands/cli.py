@@ -12,8 +12,8 @@ from finetune import __version__
 from finetune.commands.model_commands import chat_command, eval_command, export_command, serve_command, ui_command
 from finetune.commands.plan_commands import estimate_command
 from finetune.errors import UserError
-from finetune.trained.evaluate import METRICS  # light: its heavy imports are inside its functions
-from finetune.trained.served_models import MAX_REQUEST_MB
+from finetune.trained_model.evaluate import METRICS  # light: its heavy imports are inside its functions
+from finetune.trained_model.served_models import MAX_REQUEST_MB
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
 OVERRIDES_HELP = ("settings over the recipe's, written key.sub=value (e.g. train.learning_rate=1e-4 lora.r=8); "

@@ -8,8 +8,8 @@ import os
 import sys
 
 from finetune.errors import UserError
-from finetune.trained.evaluate import DEFAULT_METRICS
-from finetune.trained.served_models import MAX_REQUEST_MB
+from finetune.trained_model.evaluate import DEFAULT_METRICS
+from finetune.trained_model.served_models import MAX_REQUEST_MB
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -52,13 +52,13 @@ def serve_command(args) -> int:
                         "FINETUNE_API_KEY), which clients send as their bearer token, or keep the default host "
                         "127.0.0.1")
     if args.engine == "vllm":
-        from finetune.trained import vllm_engine
+        from finetune.trained_model import vllm_engine
 
         if args.max_request_mb != MAX_REQUEST_MB:
             raise UserError("--max-request-mb is the transformers engine's; vLLM's server sets its own limits")
         return vllm_engine.serve(args.targets, args.host, args.port, api_key)
     try:
-        from finetune.trained import server
+        from finetune.trained_model import server
     except ImportError as error:
         raise UserError(f"the server needs FastAPI and Uvicorn ({error.name} is missing): pip install -e "
                         "\".[serve]\"") from None
@@ -67,7 +67,7 @@ def serve_command(args) -> int:
 
 
 def chat_command(args) -> int:
-    from finetune.trained.chat import Chat, Piece, Sampling
+    from finetune.trained_model.chat import Chat, Piece, Sampling
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--max-new-tokens must be at least 1, --temperature at least 0, --top-p in (0, 1]")
@@ -113,8 +113,8 @@ def chat_command(args) -> int:
 
 
 def export_command(args) -> int:
-    from finetune.trained import saved_model
-    from finetune.trained.export import export
+    from finetune.trained_model import saved_model
+    from finetune.trained_model.export import export
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
@@ -146,7 +146,7 @@ def export_command(args) -> int:
 def eval_command(args) -> int:
     from pathlib import Path
 
-    from finetune.trained.evaluate import Settings, evaluate, table
+    from finetune.trained_model.evaluate import Settings, evaluate, table
 
     if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--max-new-tokens, --batch-size and --limit must be at least 1")
@@ -163,7 +163,7 @@ def eval_command(args) -> int:
     if args.server:
         import os
 
-        from finetune.trained.endpoint_eval import evaluate_endpoint
+        from finetune.trained_model.endpoint_eval import evaluate_endpoint
 
         if args.targets or not args.model:
             raise UserError("--server URL evaluates the models it serves: name them with --model NAME, and no "

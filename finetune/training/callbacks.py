@@ -105,8 +105,8 @@ class SamplesCallback(TrainerCallback):
         self.max_new_tokens, self.record = max_new_tokens, record
 
     def on_evaluate(self, args, state, control, model=None, **kwargs):
-        from finetune.trained.chat import Chat
-        from finetune.trained.evaluate import answer_rows
+        from finetune.trained_model.chat import Chat
+        from finetune.trained_model.evaluate import answer_rows
 
         training = model.training
         model.eval()

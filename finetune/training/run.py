@@ -217,7 +217,7 @@ def _renderer(recipe, tokenizer):
 def _samples_callback(recipe, data, renderer, progress: ProgressCallback, board) -> SamplesCallback | None:
     """eval.samples: answers to the first held-out prompts at each evaluation, in progress.jsonl (and so in MLflow)
     and as TensorBoard text; None without such prompts."""
-    from finetune.trained.evaluate import held_out, samples_markdown
+    from finetune.trained_model.evaluate import held_out, samples_markdown
 
     def record(row: dict) -> None:
         progress.write(row)

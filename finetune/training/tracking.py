@@ -107,7 +107,7 @@ class MlflowTracking:
             self.client.log_batch(self.run_id, params=params[start:start + 100], synchronous=True)
 
     def _log_model(self, final: Path) -> None:
-        from finetune.trained import model_card, saved_model
+        from finetune.trained_model import model_card, saved_model
 
         with tempfile.TemporaryDirectory() as folder:
             model = Path(folder) / "model"

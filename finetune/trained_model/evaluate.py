@@ -26,7 +26,7 @@ from typing import Any
 
 from finetune.answers import check_extraction, extract_answer
 from finetune.errors import UserError
-from finetune.trained import harness
+from finetune.trained_model import harness
 
 METRICS = ("exact_match", "contains", "rouge_l", "bleu")
 DEFAULT_METRICS = ("exact_match", "contains")
@@ -68,7 +68,7 @@ class Result:
 # Targets and data.
 def resolve_target(spec: str) -> Target:
     from finetune.run_folder import FINAL_NAME, checkpoint_step
-    from finetune.trained import saved_model
+    from finetune.trained_model import saved_model
 
     base = spec.startswith(saved_model.BASE_PREFIX)
     saved = saved_model.locate(spec.removeprefix(saved_model.BASE_PREFIX))
@@ -315,7 +315,7 @@ def evaluate(specs: list[str], settings: Settings, out: Path | None = None, say=
 
 
 def evaluate_one(target: Target, examples: list[Example], settings: Settings) -> Result:
-    from finetune.trained.chat import Chat
+    from finetune.trained_model.chat import Chat
 
     chat = Chat(target.saved.path, base=target.base)
     recipe = target.saved.recipe

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from finetune.errors import UserError
 from finetune.recipe.sections import DataSection
-from finetune.trained.evaluate import (
+from finetune.trained_model.evaluate import (
     Example,
     Result,
     Settings,

@@ -56,7 +56,7 @@ class Chat:
 
     def __init__(self, path, base_model: str | None = None, base: bool = False):
         """`base`: chat with the model the run started from, through the same template (for comparisons)."""
-        from finetune.trained import saved_model
+        from finetune.trained_model import saved_model
 
         self.folder = saved_model.locate(path)
         tokenizer = saved_model.load_tokenizer(self.folder)
@@ -90,7 +90,7 @@ class Chat:
         import torch
         from transformers import StoppingCriteriaList
 
-        from finetune.trained.streaming import FinalMessageEnd, TokenQueue
+        from finetune.trained_model.streaming import FinalMessageEnd, TokenQueue
 
         prompt = torch.tensor([self.prompt_ids(messages)], device=self.model.device)
         streamer = TokenQueue()
@@ -145,7 +145,7 @@ class Chat:
         import torch
         from transformers import StoppingCriteriaList
 
-        from finetune.trained.streaming import FinalMessageEnd
+        from finetune.trained_model.streaming import FinalMessageEnd
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.end_ids)
         replies = []

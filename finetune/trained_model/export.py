@@ -25,8 +25,8 @@ from pathlib import Path
 
 from finetune.errors import CommandFailed, UserError
 from finetune.run_folder import CONFIG_NAME
-from finetune.trained import saved_model
-from finetune.trained.model_card import base_origin, write_card
+from finetune.trained_model import saved_model
+from finetune.trained_model.model_card import base_origin, write_card
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
@@ -98,7 +98,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.render import Renderer
-    from finetune.trained.chat import end_token_ids
+    from finetune.trained_model.chat import end_token_ids
 
     tokenizer = saved_model.load_tokenizer(source)
     renderer = _renderer(tokenizer, source, Renderer)

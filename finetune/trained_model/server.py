@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from finetune.data import formats
 from finetune.errors import UserError
-from finetune.trained.served_models import MAX_REQUEST_MB
+from finetune.trained_model.served_models import MAX_REQUEST_MB
 
 DEFAULT_MAX_TOKENS = 4096  # when a request gives none (and the context leaves more)
 
@@ -260,7 +260,7 @@ class _Completion:
     async def start(self) -> _Completion:
         """Render and tokenize the conversation off the event loop (a long prompt takes seconds, during which other
         clients' streams and /health must go on), then submit a row per choice."""
-        from finetune.trained.batching import Request as Row
+        from finetune.trained_model.batching import Request as Row
 
         body, entry = self.body, self.entry
         self.prompt, self.continuing = await asyncio.to_thread(self._prompt_ids)
@@ -424,9 +424,9 @@ def _event(payload: dict) -> str:
 
 def load_served(targets) -> dict[str, Served]:
     """The targets (served_models.parse_targets) in memory: each base once, a batcher per loaded model."""
-    from finetune.trained import saved_model, served_models
-    from finetune.trained.batching import Batcher
-    from finetune.trained.chat import Chat, renderer_of
+    from finetune.trained_model import saved_model, served_models
+    from finetune.trained_model.batching import Batcher
+    from finetune.trained_model.chat import Chat, renderer_of
 
     by_name = {target.name: target for target in targets}
     served = {}
@@ -450,7 +450,7 @@ def serve(arguments: list[str], host: str, port: int, api_key: str | None, max_r
 
     import uvicorn
 
-    from finetune.trained import served_models
+    from finetune.trained_model import served_models
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))

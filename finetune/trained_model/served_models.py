@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.trained import saved_model
+from finetune.trained_model import saved_model
 
 MAX_REQUEST_MB = 4  # a 128k-token prompt is about 0.5 MB of text: a larger body is a mistake, refused before it is read
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
@@ -78,7 +78,7 @@ def load(targets: list[Target]) -> list[Loaded]:
     """Each base once, with every adapter trained on it; each model fine-tuned in full on its own."""
     from peft import PeftModel
 
-    from finetune.trained.batching import BASE
+    from finetune.trained_model.batching import BASE
 
     groups: dict[tuple, list[Target]] = {}
     loaded = []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from finetune import hub
 from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
-from finetune.trained import saved_model
+from finetune.trained_model import saved_model
 
 
 def final_losses(source: saved_model.SavedModel) -> dict[str, float]:
@@ -197,7 +197,7 @@ def _shown_recipe(recipe, base: str) -> str:
 def evaluation_rows(source: saved_model.SavedModel) -> list[tuple[str, str, str, str]]:
     """The card's evaluation table, (data, metric, this model, base model): `finetune eval` results kept in the run
     for this model, beside the base's on the same data."""
-    from finetune.trained.evaluate import saved_results, shown_value
+    from finetune.trained_model.evaluate import saved_results, shown_value
 
     if source.run is None:
         return []

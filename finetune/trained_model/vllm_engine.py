@@ -15,7 +15,7 @@ from datetime import date
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.trained import saved_model
+from finetune.trained_model import saved_model
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
 DATE_CALL = re.compile(r"""strftime_now\(\s*(["'])(.*?)\1\s*\)""")
@@ -74,7 +74,7 @@ def serve(arguments: list[str], host: str, port: int, api_key: str | None) -> in
     import torch
 
     from finetune.recipe.stage_sections import VLLM_VERSIONS, unusable_vllm
-    from finetune.trained import served_models
+    from finetune.trained_model import served_models
 
     problems = [problem for problem in ("" if torch.cuda.is_available() else "this machine has no CUDA GPU",
                                         unusable_vllm()) if problem]
