@@ -13,9 +13,9 @@ from tests.conftest import REPO
 WINGS = [
     ("base", ["finetune.errors", "finetune.resources", "finetune.run_folder", "finetune.builtin", "finetune.hub",
               "finetune.answers", "finetune.mlflow_store", "finetune.hooks", "finetune"]),
+    ("recipe", ["finetune.recipe"]),
     ("data", ["finetune.data"]),
     ("models", ["finetune.models"]),
-    ("recipe", ["finetune.recipe"]),
     ("plan", ["finetune.plan"]),
     ("trained model", ["finetune.trained_model"]),
     ("training", ["finetune.training"]),

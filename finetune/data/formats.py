@@ -27,8 +27,8 @@ import json
 import re
 from typing import Any
 
-FORMATS = ("messages", "alpaca", "sharegpt", "prompt_completion", "text")
-PREFERENCE_FORMATS = ("preference", "sharegpt_preference", "hh", "kto")
+from finetune.recipe.sections import PREFERENCE_FORMATS
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",

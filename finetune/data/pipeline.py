@@ -29,6 +29,8 @@ from finetune.data.formats import BadRow
 from finetune.data.render import IGNORE, Renderer
 from finetune.data.stage_rows import RowEncoder, answer_example
 from finetune.errors import UserError
+from finetune.recipe.schema import Recipe
+from finetune.recipe.sections import FORMATS, PREFERENCE_FORMATS
 
 SHOWN_BAD_ROWS = 10
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
@@ -47,7 +49,7 @@ class PreparedData:
     eval_examples: list[dict] = dataclasses.field(default_factory=list)  # the first held-out examples, normalized
 
 
-def prepare(recipe, tokenizer, template: str | None) -> PreparedData:
+def prepare(recipe: Recipe, tokenizer, template: str | None) -> PreparedData:
     """The tokenized datasets for `recipe`, from the cache when the same data was prepared before."""
     data = recipe.data
     train_sources = [sources.resolve(_path(s), "data.train") for s in _as_list(data.train)]
@@ -142,7 +144,7 @@ def _load(folder: Path) -> PreparedData:
     return PreparedData(train, evaluation, report, examples)
 
 
-def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_sources) -> None:
+def _build(folder: Path, recipe: Recipe, tokenizer, template, train_sources, eval_sources) -> None:
     import datasets
 
     datasets.disable_progress_bars()
@@ -159,7 +161,7 @@ def _build(folder: Path, recipe, tokenizer, template, train_sources, eval_source
         _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
 
 
-def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture,
+def _build_rows(folder: Path, recipe: Recipe, tokenizer, template, spool, train_examples, eval_examples, mixture,
                 bad) -> None:
     data = recipe.data
     if template is None and spool.conversations:
@@ -183,7 +185,7 @@ def _build_rows(folder: Path, recipe, tokenizer, template, spool, train_examples
         shutil.rmtree(staging)
 
 
-def _encode_splits(staging: Path, recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
+def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
                    bad) -> dict:
     """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
     data, max_length = recipe.data, recipe.train["max_length"]
@@ -352,7 +354,7 @@ def _detect_format(row: dict, columns: dict, where: str, stage: str) -> str:
     if fmt is None and stage == "any":
         fmt = formats.detect_format(row, columns, preference=True)
     if fmt is None:
-        choices = formats.PREFERENCE_FORMATS if preference else formats.FORMATS
+        choices = PREFERENCE_FORMATS if preference else FORMATS
         what = (f"the preference data format of stage {stage} (chosen and rejected answers, or a labelled "
                 "completion)" if preference else "the data format")
         raise UserError(

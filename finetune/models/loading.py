@@ -14,12 +14,13 @@ from finetune import builtin, hub
 from finetune.data.render import training_template
 from finetune.errors import UserError
 from finetune.hooks.transformers import isolate_packed_examples
+from finetune.recipe.schema import Recipe
 
 # A model folder holds at least one of these where it has a tokenizer (fast, SentencePiece, BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
 
 
-def load_tokenizer(recipe):
+def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
 
     source = _local_or_available(recipe)
@@ -94,7 +95,7 @@ def _check_template(template: str, where: str) -> None:
         raise UserError(f"{where} is not a valid Jinja template{line}: {error.message}") from None
 
 
-def _local_or_available(recipe) -> str:
+def _local_or_available(recipe: Recipe) -> str:
     """Where the recipe's model loads from: a local folder (builtins made on first use), or a Hub name that can be
     loaded now (else a UserError at once, without the libraries' minute of retries)."""
     source = builtin.resolve_model(recipe.model.name_or_path)
@@ -119,7 +120,7 @@ def training_precision(train: dict) -> dict:
     return {"bf16": False, "fp16": False}  # CPU: float32; bf16 autocast on CPU is slower than float32 on most machines
 
 
-def weights_dtype(recipe, precision: dict):
+def weights_dtype(recipe: Recipe, precision: dict):
     """The dtype weights load in: the training precision for a frozen (LoRA) base, float32 masters for full."""
     import torch
 
@@ -131,7 +132,7 @@ def weights_dtype(recipe, precision: dict):
     return torch.bfloat16 if precision.get("bf16") else torch.float16 if precision.get("fp16") else torch.float32
 
 
-def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bool):
+def load_model(recipe: Recipe, precision: dict, backend: str, gradient_checkpointing: bool):
     """(model, peft LoraConfig or None). With hf, PEFT wraps the model inside the trainer; Unsloth wraps it here.
     With model.adapter the model comes wrapped, that adapter trainable."""
     if backend == "unsloth":
@@ -141,7 +142,7 @@ def load_model(recipe, precision: dict, backend: str, gradient_checkpointing: bo
     return load_hf_model(recipe, precision), lora_config(recipe)
 
 
-def load_reference_model(recipe, precision: dict):
+def load_reference_model(recipe: Recipe, precision: dict):
     """DPO's and KTO's frozen reference for a full fine-tune, loaded as the policy is (dtype, placement per
     process, attention, the GPT-OSS mask hook); None where TRL needs none: with an adapter the reference is the model
     with it switched off (or a frozen copy of model.adapter), and precomputed log-probabilities need no model."""
@@ -176,7 +177,7 @@ def _placement():
     return {"": state.device}
 
 
-def model_config(recipe, source: str | None = None):
+def model_config(recipe: Recipe, source: str | None = None):
     """The model's configuration (no weights), checked against the recipe: what validation can know of the model."""
     from transformers import AutoConfig
 
@@ -199,7 +200,7 @@ def is_mxfp4(config) -> bool:
     return (getattr(config, "quantization_config", None) or {}).get("quant_method") == "mxfp4"
 
 
-def load_hf_model(recipe, precision: dict):
+def load_hf_model(recipe: Recipe, precision: dict):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     source = _local_or_available(recipe)
@@ -239,7 +240,7 @@ def default_attention(config) -> str | None:
     return "eager" if config.model_type == "gpt_oss" else None
 
 
-def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
+def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool):
     from unsloth import FastLanguageModel
 
     lora = recipe.lora
@@ -267,7 +268,7 @@ def _load_unsloth(recipe, precision: dict, gradient_checkpointing: bool):
     )
 
 
-def lora_config(recipe):
+def lora_config(recipe: Recipe):
     if recipe.method == "full":
         return None
     from peft import LoraConfig

@@ -33,7 +33,7 @@ import yaml
 
 from finetune import mlflow_store
 from finetune.errors import UserError
-from finetune.recipe import stage_sections, train_section
+from finetune.recipe import sections, stage_sections, train_section
 from finetune.recipe.sections import DataSection, EvalSection, LoraSection, MlflowSection, ModelSection
 from finetune.recipe.typecheck import coerce
 from finetune.recipe.yaml_files import read_mapping
@@ -326,12 +326,10 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
         key = "method" if recipe.method == "full" else "lora"
         raise UserError(f"{origin(key)}: model.adapter continues training that LoRA adapter, with its own settings; "
                         + ("set method lora (or qlora)" if key == "method" else "remove the lora section"))
-    from finetune.data.formats import PREFERENCE_FORMATS
-
     preference = recipe.stage in stage_sections.PREFERENCE_STAGES
-    if recipe.data.format != "auto" and (recipe.data.format in PREFERENCE_FORMATS) != preference:
+    if recipe.data.format != "auto" and (recipe.data.format in sections.PREFERENCE_FORMATS) != preference:
         raise UserError(f"{origin('data.format')}: data.format {recipe.data.format} is not data for stage "
-                        f"{recipe.stage}; " + (f"stage {recipe.stage} takes {', '.join(PREFERENCE_FORMATS)}"
+                        f"{recipe.stage}; " + (f"stage {recipe.stage} takes {', '.join(sections.PREFERENCE_FORMATS)}"
                                                if preference else "it is preference data, for stage dpo or kto"))
     if recipe.stage != "sft" and recipe.data.loss_on == "all":
         raise UserError(f"{origin('data.loss_on')}: stage {recipe.stage} scores answers only; remove data.loss_on")

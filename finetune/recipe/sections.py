@@ -52,6 +52,12 @@ class LoraSection:
     use_dora: bool = False
 
 
+# The data formats rows come in: supervised ones, and the preference ones of stages dpo and kto (data/formats.py
+# normalizes each)
+FORMATS = ("messages", "alpaca", "sharegpt", "prompt_completion", "text")
+PREFERENCE_FORMATS = ("preference", "sharegpt_preference", "hh", "kto")
+
+
 @dataclass
 class DataSection:
     train: str | list[str | dict[str, Any]] | None = field(
@@ -61,8 +67,7 @@ class DataSection:
     )
     eval: str | list[str] | None = field(default=None, metadata={"help": "Like train; or use eval_fraction."})
     eval_fraction: float = field(default=0.0, metadata={"help": "Share of train rows held out for evaluation."})
-    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text", "preference",
-                    "sharegpt_preference", "hh", "kto"] = field(
+    format: Literal[("auto", *FORMATS, *PREFERENCE_FORMATS)] = field(
         default="auto", metadata={"help": "auto detects it from the fields; preference, sharegpt_preference, hh and "
                                           "kto are for stages dpo and kto."})
     columns: dict[str, str] = field(
