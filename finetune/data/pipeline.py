@@ -57,7 +57,7 @@ def prepare(recipe: Recipe, tokenizer, template: str | None) -> PreparedData:
     settings = {
         "data": {key: value for key, value in dataclasses.asdict(data).items() if key != "num_proc"},
         "max_length": recipe.train["max_length"],
-        "packing": recipe.train.get("packing", False),
+        "packing": recipe.train_setting("packing"),
         "seed": recipe.train["seed"],
         "stage": recipe.stage,
     }
@@ -219,7 +219,7 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
     for name, table in {"train": train_table, "eval": eval_table}.items():
         if not len(table):
             continue
-        if recipe.train.get("packing", False):
+        if recipe.train_setting("packing"):
             table = _pack(table, max_length)
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)

@@ -11,7 +11,7 @@ def flattens_packed_rows(recipe, flash: bool, backend: str) -> bool:
     FlashAttention's variable-length kernels take the one row. So does Unsloth, which keeps packed examples apart
     only in a batch of one row (it finds their boundaries from position_ids there, and runs plain causal attention
     over each whole row of a larger batch)."""
-    return bool(recipe.train.get("packing", False)) and (flash or backend == "unsloth")
+    return bool(recipe.train_setting("packing")) and (flash or backend == "unsloth")
 
 
 def unused_parameter_search(recipe, backend: str, model_type: str) -> tuple[bool, str]:

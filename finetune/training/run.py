@@ -93,7 +93,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     args = recipe.trainer_config(**precision, **runtime_arguments(recipe, data, flash, backend, model_type),
                                  ddp_find_unused_parameters=search, per_device_train_batch_size=micro,
                                  gradient_accumulation_steps=accumulation)
-    packed_as_rows = recipe.train.get("packing", False) and not flattens_packed_rows(recipe, flash, backend)
+    packed_as_rows = recipe.train_setting("packing") and not flattens_packed_rows(recipe, flash, backend)
     rows_collator = PackedRowsCollator(tokenizer.pad_token_id) if packed_as_rows else None
     point, notes = checked.resume, checked.notes
     if point:
