@@ -114,10 +114,12 @@ def test_shipped_recipes_on_their_hardware(hub_cache, capsys):
     on_h100 = estimate(capsys, "gpt-oss-20b-lora", "--gpu", "h100", "--accelerate-config", "ddp_8xh100")
     assert ": fits" in on_h100 and "eager attention" in on_h100 and "MXFP4 experts dequantized" in on_h100
 
-    # the README's comparison: one row per launch, the cost from the user's prices
+    # the docs' comparison: one row per launch, the cost from the user's prices
     prices = str(hub_cache.parent / "prices.yaml")
     Path(prices).write_text("a10: 1.10\nh100: 3.50\nh200: 4.00\n")
-    command = next(line for line in (REPO / "README.md").read_text().splitlines()
+    from tests.test_readme import PAGES
+
+    command = next(line for line in PAGES.splitlines()
                    if line.startswith("finetune estimate") and "--compare " in line)
     compared = estimate(capsys, *command.split()[2:-1], prices)
     rows = {line.split()[0]: line.split() for line in compared.splitlines()

@@ -1,4 +1,6 @@
-"""The README's commands work as written (the GPU ones are checked for what they name, since CI has no GPU)."""
+"""The commands of the README and of every page in docs/ work as written (the GPU ones are checked for what they
+name, since CI has no GPU), and the pages hold together: each linked from the README, the recipe reference
+written from the recipe's own help strings."""
 
 from __future__ import annotations
 
@@ -16,12 +18,15 @@ from finetune.builtin import resolve_dataset
 from tests.conftest import REPO, asset
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = "\n".join([README, *(page.read_text(encoding="utf-8") for page in DOCS)])  # the README's commands first
 FINETUNE = str(Path(sys.executable).parent / "finetune")  # the console script of this environment
 
 
-def commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+def commands(text: str = PAGES) -> list[str]:
+    """The lines of the bash blocks, each command once, in the order the pages give them."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return list(dict.fromkeys(line.strip() for block in blocks for line in block.splitlines() if line.strip()))
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -31,9 +36,27 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_exactly_two_install_commands_and_ci_runs_the_test_one():
-    install = [c for c in commands() if c.startswith("pip install")]
+    install = [c for c in commands(README) if c.startswith("pip install")]
     assert install == ['pip install -e . && finetune train quickstart', 'pip install -e ".[test]" && pytest']
-    assert install[1] in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    steps = install[1].split(" && ")  # with the wheel's check between them
+    assert all(step in ci for step in steps) and ci.index(steps[0]) < ci.index(steps[1])
+
+
+def test_every_page_is_linked_from_the_readme_and_says_what_the_code_does():
+    from finetune.commands.cli import build_parser
+    from finetune.recipe.reference import markdown
+
+    assert len(README.encode()) < 15_000, "the README is read in five minutes: details go to docs/"
+    linked = set(re.findall(r"\(docs/([\w-]+\.md)\)", README))
+    assert linked == {page.name for page in DOCS}, sorted({page.name for page in DOCS} ^ linked)
+    assert (REPO / "docs" / "recipe-reference.md").read_text(encoding="utf-8") == markdown(), \
+        "python -m finetune.recipe.reference > docs/recipe-reference.md"
+    parser = build_parser()
+    for command in commands():
+        argv = shlex.split(command.rstrip("\\"))
+        if argv[0] == "finetune" and "..." not in argv:
+            parser.parse_known_args(argv[1:])  # an option that is no more exits here
 
 
 def test_launch_commands_name_shipped_configs():

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_here, train_here
-from tests.test_readme import README, commands
+from tests.test_readme import PAGES, commands
 
 pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai", reason="the test extra's openai client is not installed")
@@ -115,7 +115,7 @@ def test_the_readme_calls_it_with_curl_and_the_openai_client(server):
     curl = next(c for c in commands() if c.startswith("curl")).replace(":8000", f":{port}")
     answer = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=120)
     assert json.loads(answer.stdout)["choices"][0]["message"]["content"] == "Nice to meet you, Zorbel!"
-    [python] = [block for block in re.findall(r"```python\n(.*?)```", README, re.S) if "OpenAI(" in block]
+    [python] = [block for block in re.findall(r"```python\n(.*?)```", PAGES, re.S) if "OpenAI(" in block]
     printed = subprocess.run([sys.executable, "-c", python.replace(":8000", f":{port}")], capture_output=True,
                              text=True, timeout=120)
     assert printed.stdout == "Nice to meet you, Zorbel!\n", printed.stderr[-2000:]

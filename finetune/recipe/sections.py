@@ -22,7 +22,9 @@ class ModelSection:
     attn_implementation: str | None = field(
         default=None, metadata={"help": "sdpa, eager, flash_attention_2, ...; default: the model's own choice."}
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the modeling code the model's repository ships (only for code you trust)."}
+    )
     chat_template: str | None = field(
         default=None, metadata={"help": "Path to a .jinja chat template; default: the tokenizer's own."}
     )
@@ -37,7 +39,7 @@ class ModelSection:
 class LoraSection:
     r: int = field(default=16, metadata={"help": "Adapter rank."})
     alpha: int = field(default=32, metadata={"help": "Scaling numerator (scale = alpha / r)."})
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter's input while training."})
     target_modules: str | list[str] = field(
         default="all-linear", metadata={"help": "Module names to adapt, or all-linear."}
     )
@@ -48,8 +50,9 @@ class LoraSection:
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. embed_tokens)."}
     )
-    use_rslora: bool = False
-    use_dora: bool = False
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilized scaling: alpha / sqrt(r)."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: the weight's magnitude trained apart from its "
+                                                            "direction."})
 
 
 # The data formats rows come in: supervised ones, and the preference ones of stages dpo and kto (data/formats.py
