@@ -190,3 +190,18 @@ def test_mixtures_take_each_source_share_deterministically(tmp_path):
 def test_mixture_entries_are_checked(tmp_path, entry, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_recipe(write_recipe(tmp_path, f"model: {{name_or_path: builtin:tiny-llama}}\ndata: {{train: [{entry}]}}\n"))
+
+
+def test_the_data_cache_key_changes_with_the_trl_version(monkeypatch, tmp_path, builtin_tokenizer):
+    import importlib.metadata
+
+    from finetune.data import pipeline, sources
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    key = lambda: pipeline._cache_key([sources.resolve(str(data), "data.train")], [], {}, builtin_tokenizer, None)
+    before = key()
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "99.0.0" if name == "trl" else real_version(name))
+    assert key() != before
