@@ -356,6 +356,16 @@ def test_a_body_over_the_limit_is_413_and_a_long_prompt_is_read_off_the_event_lo
     code, answer = post(server[0], json.dumps({"model": "quickstart", "messages": [
         {"role": "user", "content": "x" * 10_000_000}]}).encode())
     assert code == 413 and answer["error"]["code"] == "request_too_large" and time.monotonic() - started < 5
+    import http.client
+
+    host, port = server[0].removeprefix("http://").split(":")
+    for size, status in ((5_000_000, 413), (100, 200)):  # sent in chunks, with no Content-Length
+        body = json.dumps({"model": "quickstart", "messages": [{"role": "user", "content": "x" * size}],
+                           "max_tokens": 2}).encode()
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/chat/completions", body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
+                           headers={"Content-Type": "application/json"}, encode_chunked=True)
+        assert connection.getresponse().status == status
     long = json.dumps({"model": "quickstart", "messages": [{"role": "user", "content": "hello world " * 250_000}]})
     result = {}
     reading = threading.Thread(target=lambda: result.update(answer=post(server[0], long.encode())))

@@ -195,8 +195,9 @@ def build_app(served: dict[str, Served], api_key: str | None = None, max_request
 
 
 class _BodyLimit:
-    """Refuse a request body over `limit` bytes with 413, by its Content-Length before it is read, or as it streams
-    in. An ASGI middleware of its own: Starlette's HTTP middleware would hide a client's disconnect from streams."""
+    """Refuse a request body over `limit` bytes with 413: by its Content-Length, or, sent without one, once that much
+    has come (what came is held and handed on when the body ends below the limit). An ASGI middleware of its own:
+    Starlette's HTTP middleware would hide a client's disconnect from streams."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -205,30 +206,26 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _drain(receive, {"more_body": True})
-            return await self._refuse(send)
-        seen, started = 0, False
-
-        async def counted():
-            nonlocal seen
+        if length is not None and length.isdigit():
+            if int(length) > self.limit:
+                await _drain(receive, {"more_body": True})
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        held, seen = [], 0
+        while True:
             message = await receive()
+            held.append(message)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 await _drain(receive, message)
-                raise _TooLarge
-            return message
+                return await self._refuse(send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
 
-        async def sending(message):
-            nonlocal started
-            started = True
-            await send(message)
+        async def replayed():
+            return held.pop(0) if held else await receive()
 
-        try:
-            await self.app(scope, counted, sending)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send)
+        await self.app(scope, replayed, send)
 
     async def _refuse(self, send) -> None:
         response = RequestError(413, f"the request body is over {self.limit / 2**20:g} MiB: send a shorter "
@@ -237,10 +234,6 @@ class _BodyLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": response.response().body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _drain(receive, message: dict) -> None:
