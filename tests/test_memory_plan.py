@@ -90,6 +90,9 @@ def test_on_the_cpu_the_plan_counts_the_loading_peak_and_what_the_heap_keeps(tmp
     assert plan.loading == shape.parameters * (4 + 2) + process
     assert plan.measurable() == plan.loading > plan.total()
     assert memory_plan.plan(lora, shape, devices.device_named("a10"), alone, 1).loading == 0
+    # bf16 weights from a bf16 checkpoint are its mapped pages: nothing is built beside them
+    in_bf16 = recipe_for(tmp_path, "method=lora", "train.bf16=true", *overrides[1:])
+    assert memory_plan.plan(in_bf16, shape, cpu, alone, 1).loading == shape.parameters * 2 + process
     qlora = recipe_for(tmp_path, "method=qlora", *overrides)
     plan = memory_plan.plan(qlora, shapes.model_shape(config, qlora), cpu, alone, 1)
     dequantized = next(line for line in plan.lines if line.what == "4-bit dequantization")

@@ -198,7 +198,9 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     else:
         process = CPU_PROCESS + CPU_PROCESS_PER_TOKEN * shape.vocab
         add(Line("process", process, note="Python, the libraries, the tokenizer and the data", allocated=False))
-        plan_.loading = weights.fixed + shape.saved / shard + process
+        # Weights kept in the checkpoint's own dtype are its mapped pages; others are built beside the mapped file
+        copied = weights.fixed != shape.saved / shard
+        plan_.loading = weights.fixed + (shape.saved / shard if copied else 0) + process
     return plan_
 
 
@@ -318,7 +320,8 @@ def describe(plan_: Plan, recipe_name: str) -> str:
               ""]
     if plan_.loading:
         lines[-1:-1] = [f"  {'while loading':<{width}}  {format_bytes(plan_.loading):>9}  the weights, the checkpoint "
-                        "file mapped beside them (file pages the kernel can reclaim) and the process"]
+                        "file mapped beside them where they are converted from its dtype (file pages the kernel can "
+                        "reclaim) and the process"]
     largest = plan_.largest_micro_batch
     if largest:
         lines.append(f"Largest micro-batch that fits at max_length {plan_.max_length}: {largest}"
