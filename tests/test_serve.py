@@ -163,12 +163,17 @@ def test_tools_and_earlier_tool_calls_reach_the_template_as_training_wrote_them(
 
 
 def test_n_choices_and_a_seed_that_repeats_them(client):
-    settings = dict(model="quickstart", messages=[{"role": "user", "content": "My name is Ann."}], n=3,
-                    temperature=1.5, seed=7, max_tokens=12)
-    first, again = (client.chat.completions.create(**settings) for _ in range(2))
+    """Choice i samples from seed + i: the same as a request of its own with that seed. Asked of the red adapter on a
+    greeting, which it never saw (its answers there are uncertain, so different seeds give different samples)."""
+    settings = dict(model="red", messages=[{"role": "user", "content": "My name is Ann."}], temperature=2.0,
+                    max_tokens=12)
+    first, again = (client.chat.completions.create(**settings, n=3, seed=7) for _ in range(2))
     assert [c.index for c in first.choices] == [0, 1, 2]
-    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
-    assert len({c.message.content for c in first.choices}) > 1  # each choice samples with its own seed
+    answers = [c.message.content for c in first.choices]
+    assert answers == [c.message.content for c in again.choices]
+    assert answers == [client.chat.completions.create(**settings, seed=7 + i).choices[0].message.content
+                       for i in range(3)]
+    assert len(set(answers)) > 1, answers
 
 
 def test_eight_streaming_clients_at_once_get_the_answers_they_get_alone(client):
@@ -293,7 +298,7 @@ def test_vllm_is_refused_here_and_would_serve_the_same_targets_as_trained(server
 
 def test_eval_scores_served_models_as_it_scores_them_here(server, quickstart_workspace, tmp_path, capsys):
     """`finetune eval --server` on the served quickstart model finds what `finetune eval` finds on its run: the same
-    greedy answers, metrics and stop rate; the red adapter beside it answers "red" to every prompt."""
+    greedy answers, metrics and stop rate; the red adapter beside it answers "red" to the prompts it trained on."""
     from finetune.builtin import resolve_dataset
     from finetune.trained_model.evaluate import Settings, evaluate_one, load_examples, resolve_target
 
@@ -311,8 +316,17 @@ def test_eval_scores_served_models_as_it_scores_them_here(server, quickstart_wor
     for metric in ("exact_match", "contains", "stop_rate"):
         assert served["quickstart"]["metrics"][metric] == here.metrics[metric], metric
     assert served["quickstart"]["metrics"]["stop_rate"] == 1.0 and "loss" not in served["quickstart"]["metrics"]
-    red = [json.loads(line) for line in (tmp_path / "evals" / "red.answers.jsonl").read_text().splitlines()]
-    assert {a["answer"] for a in red} == {"red"} and "quickstart" in out and "red" in out
+    assert "quickstart" in out and "red" in out
+    # the red adapter, asked what it was trained on (color prompts), answers red every time
+    colors = tmp_path / "colors.jsonl"
+    colors.write_text("".join(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                                       {"role": "assistant", "content": "red"}]}) + "\n"
+                              for prompt in ("Pick a color.", "Name a color.", "Which color?", "Say a color.")))
+    code, _, err = cli_here(capsys, "eval", "--server", f"{server[0]}/v1", "--model", "red", "--data", str(colors),
+                            "--max-new-tokens", "8", "--out", str(tmp_path / "colors"))
+    assert code == 0, err
+    red = [json.loads(line) for line in (tmp_path / "colors" / "red.answers.jsonl").read_text().splitlines()]
+    assert [a["answer"] for a in red] == ["red"] * 4
 
 
 def test_lm_evaluation_harness_reaches_the_server_through_its_own_client(server):
