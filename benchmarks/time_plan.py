@@ -47,12 +47,17 @@ CASES = {
 }
 LAUNCHES = {name: ["--accelerate-config", "cpu_ddp_2proc"] for name in CASES if name.endswith("-ddp2")}
 TARGET = 0.20
-RUN_TIME = re.compile(r"run time\s+(?:(\d+)h(\d+)m|(\d+)m(\d+)s)")
+RUN_TIME = re.compile(r"run time\s+(?:(\d+)h(\d+)m|(\d+)m(\d+)s|([\d.]+) s|([\d,.]+) ms)")
 
 
 def planned_seconds(text: str) -> float:
-    hours, minutes_h, minutes, seconds = RUN_TIME.search(text).groups()
-    return int(hours) * 3600 + int(minutes_h) * 60 if hours else int(minutes) * 60 + int(seconds)
+    """The plan's run time as `finetune estimate` prints it: 1h05m, 4m07s, 4.51 s or 729 ms."""
+    hours, minutes_h, minutes, seconds, short, milliseconds = RUN_TIME.search(text).groups()
+    if hours:
+        return int(hours) * 3600 + int(minutes_h) * 60
+    if minutes:
+        return int(minutes) * 60 + int(seconds)
+    return float(short) if short else float(milliseconds.replace(",", "")) / 1000
 
 
 def finetune(*args: str, cwd: Path) -> str:

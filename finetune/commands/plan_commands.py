@@ -134,12 +134,12 @@ def describe_time(timed: time_plan.TimePlan, work: tuple, price: float | None, m
         f"  tokens/s          {per_device:,.0f} per device, {timed.tokens_per_s:,.0f} in all",
         f"  evaluations       {_seconds(timed.evaluation_s)}",
         *[f"  {note}" for note in timed.notes],
-        f"  run time          {time_plan.format_duration(timed.total_s)}",
+        f"  run time          {_seconds(timed.total_s)}",
     ]
     if price is not None:
         gpus = f"{timed.processes} GPU{'s' if timed.processes > 1 else ''}"
         lines.append(f"  cost              ${timed.cost(price):,.2f} ({gpus} x "
-                     f"{time_plan.format_duration(timed.total_s)} at ${price:,.2f} per GPU-hour)")
+                     f"{_seconds(timed.total_s)} at ${price:,.2f} per GPU-hour)")
     return "\n".join(lines)
 
 
