@@ -31,8 +31,8 @@ def open_command(uri: str) -> str:
     return uri if uri.startswith(("http://", "https://")) else f"mlflow ui --backend-store-uri {uri}"
 
 
-def reports_to_mlflow(train: dict[str, Any]) -> bool:
-    report_to = train.get("report_to")
+def reports_to_mlflow(report_to: str | list[str] | None) -> bool:
+    """Whether train.report_to (a name, a list of names or none) includes MLflow."""
     return "mlflow" in ([report_to] if isinstance(report_to, str) else list(report_to or []))
 
 

@@ -173,6 +173,8 @@ def test_export_card_tokenizer_and_generation_config(trained, tmp_path, gptoss_t
     assert "| final eval loss | not recorded |" in card
     assert "PeftModel.from_pretrained(base" in card and "name_or_path:" in card  # how to load; the recipe
     assert "7.mlp.experts" not in card  # this recipe adapts no experts
+    # the main settings as the trainer had them: written (the scheduler) or not (the accumulation, TRL's default)
+    assert "| lr_scheduler_type | constant_with_warmup |" in card and "| gradient_accumulation_steps | 1 |" in card
     assert (out / "chat_template.jinja").read_text() == (run / "final" / "chat_template.jinja").read_text()
 
 

@@ -86,3 +86,21 @@ def test_a_library_that_changed_under_its_hooks_is_named(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_pin("transformers", "5.17.0", ("Trainer._run_epoch",))  # a patch release: no warning
+
+
+def test_trainer_settings_are_read_as_the_run_resolves_them():
+    """Outside the recipe wing no module reads `recipe.train` by key: a setting is read with `train_setting` (the
+    recipe's value, else the stage's TRL config's) or `precision`, so that no reader supplies a default of its own
+    (the time plan once read gradient_checkpointing as off while the trainer had it on)."""
+    readers = []
+    for module, path in modules().items():
+        if wing(module) == 1:  # the recipe
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            keyed = isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+            got = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                   and isinstance(node.func.value, ast.Attribute))
+            owner = node.value if keyed else node.func.value if got else None
+            if owner is not None and owner.attr == "train" and not isinstance(node.ctx if keyed else None, ast.Store):
+                readers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not readers, f"recipe.train read by key: {readers}"

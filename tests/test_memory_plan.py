@@ -12,7 +12,7 @@ from finetune.errors import UserError
 from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
 from finetune.plan import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
-from tests.conftest import REPO, cli_here, run_cli, train_here, write_recipe
+from tests.conftest import cli_here, run_cli, train_here, write_recipe
 
 HUB_MODELS = {
     "unsloth/Llama-3.2-3B-Instruct": llama_3_2_3b,
@@ -150,7 +150,7 @@ def test_plan_follows_the_recipe(tmp_path):
     assert total(processes=8) > plain  # DDP's gradient buckets
     assert total(processes=8, sharded=True) < plain - 30 * devices.GIB  # 7/8 of 39 GiB of weights
     assert total("model.attn_implementation=flash_attention_2") < plain
-    assert total("train.loss_type=nll") > plain + 7 * devices.GIB  # 4096 x 201088 logits, 10 bytes each
+    assert total("train.loss_type=nll") > plain  # 4096 x 201088 logits, 10 bytes each: above the backward's
 
 
 def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_float32(tmp_path):
@@ -228,7 +228,7 @@ def test_recipe_headers_state_what_estimate_says(hub_cache, capsys, name):
     claim = re.search(r"`finetune estimate ([^`]+)`: ([\d.]+) GiB of ([\d.]+)", header)
     assert claim, f"{name}'s header gives no figure from finetune estimate"
     printed = estimate(capsys, *claim.group(1).split())
-    total = re.search(r"total\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
+    total = re.search(r"total \(at the peak: [^)]+\)\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
     assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == \
         (float(claim.group(2)), float(claim.group(3)))
 
@@ -250,3 +250,25 @@ def test_a_setting_left_to_its_default_is_planned_as_the_trainer_uses_it(hub_cac
     launch = ["--gpu", "h100", "--accelerate-config", "ddp_8xh100", "--tokens", "20000000",
               "--price-per-gpu-hour", "3"]
     assert estimate(capsys, name, *launch) == estimate(capsys, name, *written, *launch)
+
+
+def test_the_loss_and_the_backwards_layers_are_planned_at_their_own_times(tmp_path):
+    """The chunked loss's logits are freed before the backward recomputes its first layer: a step's peak is the
+    larger of the two, not their sum. Measured on this machine's CPU (benchmarks/memory.py, an RSS timeline by
+    phase): a Llama of hidden 1024 x 12 layers with the 128k vocabulary, QLoRA in fp32, gradient checkpointing,
+    2 x 1024 tokens peaks at 2.11 GiB, in the loss; the backward's recomputed layers reach 1.87 GiB."""
+    from transformers import LlamaConfig
+
+    recipe = recipe_for(tmp_path, "method=qlora", "train.bf16=false", "train.gradient_checkpointing=true",
+                        "train.max_length=1024", "train.per_device_train_batch_size=2", "lora.r=16",
+                        "lora.dropout=0.0")
+    config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                         num_key_value_heads=4, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
+    planned = memory_plan.plan(recipe, shapes.model_shape(config, recipe), devices.this_machine(cpu=True),
+                               memory_plan.Launch(1, False, "one process"), 2)
+    assert abs(planned.total() / (2.11 * devices.GIB) - 1) < 0.15
+    lines = sum(line.at(2) for line in planned.lines)
+    assert planned.total() < lines - 500 * devices.MIB  # the loss's 509 MiB (or the backward's) not added
+    table = memory_plan.describe(planned, "medium")
+    assert re.search(r"loss \(chunked\) +509 MiB  .*; only in the loss", table), table
+    assert re.search(r"total \(at the peak: the (loss|backward)\) +2.1\d GiB", table), table

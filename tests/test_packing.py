@@ -104,10 +104,10 @@ def test_gpt_oss_under_unsloth_is_never_packed():
 
     with pytest.raises(UserError, match="under Unsloth, GPT-OSS's attention takes no mask while training, so examples "
                                         "packed into one row would attend to each other; set train.packing=false"):
-        backends.check_packing("unsloth", "gpt_oss", {"packing": True})
-    backends.check_packing("unsloth", "gpt_oss", {"packing": False})
-    backends.check_packing("hf", "gpt_oss", {"packing": True})  # our mask hook keeps them apart (test below)
-    backends.check_packing("unsloth", "llama", {"packing": True})  # one row a micro-batch (test above)
+        backends.check_packing("unsloth", "gpt_oss", True)
+    backends.check_packing("unsloth", "gpt_oss", False)
+    backends.check_packing("hf", "gpt_oss", True)  # our mask hook keeps them apart (test below)
+    backends.check_packing("unsloth", "llama", True)  # one row a micro-batch (test above)
     assert load_recipe("gpt-oss-20b-unsloth-qlora").train["packing"] is False
 
 

@@ -100,7 +100,7 @@ def _work(recipe, tokens: int | None):
     cannot be prepared here."""
     if recipe.stage != "sft":
         return time_plan.UNPLANNED_STAGE.format(stage=recipe.stage)
-    max_length = int(recipe.train["max_length"])
+    max_length = int(recipe.train_setting("max_length"))
     if tokens is not None:
         rows = max(tokens // max_length, 1)
         return flops.Work(rows * max_length, rows * max_length, (max_length,) * rows), rows, None, TOKENS_SOURCE

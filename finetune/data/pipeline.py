@@ -56,9 +56,9 @@ def prepare(recipe: Recipe, tokenizer, template: str | None) -> PreparedData:
     eval_sources = [sources.resolve(_path(s), "data.eval") for s in _as_list(data.eval)]
     settings = {
         "data": {key: value for key, value in dataclasses.asdict(data).items() if key != "num_proc"},
-        "max_length": recipe.train["max_length"],
+        "max_length": recipe.train_setting("max_length"),
         "packing": recipe.train_setting("packing"),
-        "seed": recipe.train["seed"],
+        "seed": recipe.train_setting("seed"),
         "stage": recipe.stage,
     }
     key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
@@ -153,11 +153,11 @@ def _build(folder: Path, recipe: Recipe, tokenizer, template, train_sources, eva
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _Spool(folder.parent) as spool:
         train_examples, mixture = _mix([read_examples([source], data, bad, spool, recipe.stage)
-                                        for source in train_sources], _as_list(data.train), recipe.train["seed"])
+                                        for source in train_sources], _as_list(data.train), recipe.train_setting("seed"))
         if eval_sources:
             eval_examples = read_examples(eval_sources, data, bad, spool, recipe.stage)
         else:
-            train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train["seed"])
+            train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train_setting("seed"))
         _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
 
 
@@ -188,7 +188,7 @@ def _build_rows(folder: Path, recipe: Recipe, tokenizer, template, spool, train_
 def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
                    bad) -> dict:
     """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
-    data, max_length = recipe.data, recipe.train["max_length"]
+    data, max_length = recipe.data, recipe.train_setting("max_length")
     too_long: list[str] = []
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
     train_table, train_stats = encoding.encode_split(train_examples, spool, encoder, max_length, bad, too_long,

@@ -97,10 +97,10 @@ def import_first(recipe_path: str, overrides: list[str]) -> None:
         import unsloth  # noqa: F401  (its import patches transformers, TRL and PEFT)
 
 
-def check_packing(backend: str, model_type: str, train: dict) -> None:
+def check_packing(backend: str, model_type: str, packing: bool) -> None:
     """Packed examples must not attend to each other. Unsloth's GPT-OSS attention takes no mask while training (its
     flex attention with sinks builds only causal or sliding-window masks), so it cannot keep them apart."""
-    if backend == "unsloth" and model_type == "gpt_oss" and train.get("packing"):
+    if backend == "unsloth" and model_type == "gpt_oss" and packing:
         raise UserError("train.packing: under Unsloth, GPT-OSS's attention takes no mask while training, so examples "
                         "packed into one row would attend to each other; set train.packing=false (one example a "
                         "row), or use model.backend=hf")

@@ -108,10 +108,10 @@ def _local_or_available(recipe: Recipe) -> str:
     return source
 
 
-def training_precision(train: dict) -> dict:
+def training_precision(recipe: Recipe) -> dict:
     """{bf16, fp16}: the recipe's choice, else bf16 where the hardware has it (fp16 on CUDA cards without it)."""
-    if train.get("bf16") is not None or train.get("fp16") is not None:
-        return {"bf16": bool(train.get("bf16")), "fp16": bool(train.get("fp16"))}
+    if recipe.precision:
+        return {"bf16": recipe.precision == "bf16", "fp16": recipe.precision == "fp16"}
     import torch
 
     if torch.cuda.is_available():
@@ -246,7 +246,7 @@ def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool)
     lora = recipe.lora
     model, _ = FastLanguageModel.from_pretrained(  # Unsloth loads an adapter folder with its base, trainable
         model_name=recipe.model.adapter or builtin.resolve_model(recipe.model.name_or_path),
-        max_seq_length=recipe.train["max_length"],
+        max_seq_length=recipe.train_setting("max_length"),
         dtype=weights_dtype(recipe, precision) if recipe.model.dtype != "auto" else None,
         load_in_4bit=recipe.method == "qlora",
         load_in_16bit=recipe.method == "lora",
@@ -255,7 +255,7 @@ def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool)
         revision=recipe.model.revision,
         trust_remote_code=recipe.model.trust_remote_code,
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
-        random_state=recipe.train["seed"],
+        random_state=recipe.train_setting("seed"),
     )
     isolate_packed_examples(model)
     if recipe.method == "full" or recipe.model.adapter:
@@ -264,7 +264,7 @@ def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool)
         model,
         **_adapter_settings(lora),
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
-        random_state=recipe.train["seed"],
+        random_state=recipe.train_setting("seed"),
     )
 
 

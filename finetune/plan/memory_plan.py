@@ -44,6 +44,9 @@ OPTIMIZER_BYTES = {
 PAGED = "paged"  # bitsandbytes' paged optimizers move their state to CPU memory when the GPU runs short
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 absmax (double quant)
 LOSS_CHUNK = 256  # TRL's chunked_nll: tokens whose logits exist at once
+# A step's loss runs after the forward and its gradient before the first layer's backward: what each holds for
+# itself is freed before the other starts, so a step peaks in one of these phases, never in both at once.
+LOSS, BACKWARD = "the loss", "the backward"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Line:
     per_row: float = 0.0  # bytes per row of max_length tokens
     note: str = ""
     allocated: bool = True  # torch's allocator counts it (not the CUDA context, the slack, or the CPU process)
+    phase: str = ""  # LOSS or BACKWARD: held only then; "" for the whole step
 
     def at(self, rows: int) -> float:
         return self.fixed + self.per_row * rows
@@ -90,11 +94,21 @@ class Plan:
     loading: float = 0.0
 
     def total(self, rows: int | None = None) -> float:
-        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines)
+        """The step's peak: what it holds throughout, and the larger of what the loss and the backward add."""
+        return self._peak(self.lines, rows)
 
     def tensors(self, rows: int | None = None) -> float:
         """What torch's allocator counts (torch.cuda.max_memory_allocated): all but the context and the slack."""
-        return sum(line.at(self.micro_batch if rows is None else rows) for line in self.lines if line.allocated)
+        return self._peak([line for line in self.lines if line.allocated], rows)
+
+    def peak_phase(self, rows: int | None = None) -> str:
+        return max((LOSS, BACKWARD), key=lambda phase: self._phase(self.lines, phase, rows))
+
+    def _peak(self, lines: list[Line], rows: int | None) -> float:
+        return self._phase(lines, "", rows) + max(self._phase(lines, LOSS, rows), self._phase(lines, BACKWARD, rows))
+
+    def _phase(self, lines: list[Line], phase: str, rows: int | None) -> float:
+        return sum(line.at(self.micro_batch if rows is None else rows) for line in lines if line.phase == phase)
 
     def measurable(self) -> float:
         """What `--probe` measures of it: torch's allocated peak on a GPU, the process's peak resident memory on the
@@ -104,10 +118,13 @@ class Plan:
     @property
     def largest_micro_batch(self) -> int:
         """The most rows of max_length tokens per device that fit (0: not even one)."""
-        fixed = sum(line.fixed for line in self.lines)
-        per_row = sum(line.per_row for line in self.lines)
-        room = self.device.capacity - fixed
-        return max(0, int(room // per_row)) if per_row else 0
+        def fitting(phase: str) -> int:
+            lines = [line for line in self.lines if line.phase in ("", phase)]
+            per_row = sum(line.per_row for line in lines)
+            room = self.device.capacity - sum(line.fixed for line in lines)
+            return max(0, int(room // per_row)) if per_row else 0
+
+        return min(fitting(LOSS), fitting(BACKWARD))
 
     @property
     def verdict(self) -> str:
@@ -125,7 +142,7 @@ def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
     from finetune.recipe.train_section import GLOBAL_BATCH
 
     single = plan(recipe, shape, device, launch, 1)
-    per_process = recipe.train[GLOBAL_BATCH] // launch.processes
+    per_process = recipe.train_setting(GLOBAL_BATCH) // launch.processes
     fitting = [rows for rows in range(1, min(single.largest_micro_batch, per_process) + 1) if per_process % rows == 0]
     if not fitting:
         raise UserError(f"train.per_device_train_batch_size auto: not one row of {single.max_length} tokens fits "
@@ -137,8 +154,7 @@ def micro_batch_of(recipe, device: Device, launch: Launch, shape: Shape) -> int:
 def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Plan:
     """The per-device memory of training `recipe` (a model of `shape`) on `device` under `launch`, with micro-batches
     of `rows` rows of max_length tokens."""
-    train = recipe.train
-    length = train["max_length"] + (recipe.grpo.get("max_completion_length", GRPO_COMPLETION)
+    length = recipe.train_setting("max_length") + (recipe.grpo.get("max_completion_length", GRPO_COMPLETION)
                                      if recipe.stage == "grpo" else 0)
     sequences = 2 if recipe.stage == "dpo" else 1  # DPO runs a row's chosen and rejected answers in one batch
     compute = _compute_bytes(recipe, shape, device)
@@ -166,21 +182,26 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
                  note="one layer's full weights while it runs, and the next one prefetched"))
     # Eager attention keeps its probabilities for the backward; the CPU's sdpa kernel (masked, packed rows) keeps
     # only its output, but its backward holds the probabilities of one layer at a time.
-    per_token, working = _activations(shape, recipe, compute, attention, checkpointing, length,
-                                      kept=attention == "eager", transient=attention == "sdpa" and not device.cuda)
-    note = ("layer inputs kept (gradient checkpointing), one layer recomputed" if checkpointing else
-            "every layer's activations kept (no gradient checkpointing)") + f", {attention} attention"
-    if train.get("activation_offloading"):
+    per_token, recomputed, working = _activations(shape, recipe, compute, attention, checkpointing, length,
+                                                  kept=attention == "eager",
+                                                  transient=attention == "sdpa" and not device.cuda)
+    note = ("every layer's input (gradient checkpointing)" if checkpointing else
+            "every layer's activations (no gradient checkpointing)") + f", {attention} attention"
+    if recipe.train_setting("activation_offloading"):
         per_token = per_token * 2 / (shape.layers + 1)  # kept in CPU memory but for the layers at work
         note = "offloaded to CPU memory but for about two layers'"
     if sequences > 1:
         note += "; chosen and rejected answers: 2 sequences per row"
     add(Line("activations", 0, per_token * length * sequences, note=note))
-    add(Line("backward working set", 0, working * length * sequences, note="the gradients of one layer's activations"))
+    if checkpointing:
+        add(Line("recomputed layer", 0, recomputed * length * sequences, phase=BACKWARD,
+                 note="one layer's activations, recomputed for its backward"))
+    add(Line("backward working set", 0, working * length * sequences, phase=BACKWARD,
+             note="the gradients of one layer's activations"))
     add(_loss(shape, recipe, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
     if recipe.stage == "grpo":
         add(Line("generation (KV cache)", 0, shape.layers * 2 * shape.kv_width * compute * length,
-                 note=f"keys and values of each answer generated, prompt and up to {length - train['max_length']} "
+                 note=f"keys and values of each answer generated, prompt and up to {length - recipe.train_setting('max_length')} "
                       "new tokens"))
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))
@@ -192,8 +213,9 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     if device.cuda:
         add(Line("CUDA context", CUDA_CONTEXT, note="torch, cuBLAS and NCCL kernels; not in torch's counters",
                  allocated=False))
-        tensors = plan_.tensors
-        add(Line("allocator slack", tensors(0) * ALLOCATOR_SLACK, (tensors(1) - tensors(0)) * ALLOCATOR_SLACK,
+        tensors = plan_.tensors  # piecewise linear in the rows (the peak's phase may change): linear through these
+        slope = (tensors(rows) - tensors(0)) / max(rows, 1)
+        add(Line("allocator slack", tensors(0) * ALLOCATOR_SLACK, slope * ALLOCATOR_SLACK,
                  note=f"cached blocks the allocator cannot reuse, about {ALLOCATOR_SLACK:.0%}", allocated=False))
     else:
         process = CPU_PROCESS + CPU_PROCESS_PER_TOKEN * shape.vocab
@@ -208,14 +230,11 @@ def _compute_bytes(recipe, shape: Shape, device: Device) -> int:
     """Bytes of one activation value: bf16/fp16 when the recipe (or the GPU default) trains in them, else fp32.
     Unsloth cannot run GPT-OSS in float16: asked to, it loads the weights in bf16 and trains without mixed
     precision, in fp32 (unsloth 2026.10.9, models/loader.py and models/rl.py, "forced float32")."""
-    train = recipe.train
     if recipe.model.backend == "unsloth" and shape.model_type == "gpt_oss" and (
-            train.get("fp16") or recipe.model.dtype == "float16"):
+            recipe.precision == "fp16" or recipe.model.dtype == "float16"):
         return 4
-    if train.get("bf16") or train.get("fp16"):
-        return 2
-    if train.get("bf16") is False and train.get("fp16") is False:
-        return 4
+    if recipe.precision:
+        return 4 if recipe.precision == "fp32" else 2
     return 2 if device.cuda else 4
 
 
@@ -240,8 +259,9 @@ def _weights(shape: Shape, recipe, compute: int, shard: int) -> Line:
 
 
 def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bool, length: int, kept: bool,
-                 transient: bool) -> tuple[float, float]:
-    """(bytes per token kept for the backward, bytes per token of the backward's working set on top).
+                 transient: bool) -> tuple[float, float, float]:
+    """Bytes per token: kept for the backward, of the layer the backward recomputes (with checkpointing), and of the
+    backward's working set on top.
 
     The attention probabilities, one float32 (Llama's eager softmax) or compute-dtype value per head and key
     position, are `kept` for the backward, or exist only in one layer's backward (`transient`)."""
@@ -256,7 +276,7 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
     probabilities = probabilities if kept else 0
     if shape.experts_per_token:
         mlp = shape.experts_per_token * (7 * i * b + h * b)  # per chosen expert: gate_up, gate, sigmoid, glu, output
-    elif recipe.train.get("use_liger_kernel"):
+    elif recipe.train_setting("use_liger_kernel"):
         mlp = 3 * i * b  # Liger's SwiGLU recomputes SiLU(gate) in the backward
     else:
         mlp = 4 * i * b  # gate, SiLU(gate), up, and their product (down_proj's input)
@@ -269,23 +289,23 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
         adapters = sum(inputs * (cast + dropout) + recipe.lora.r * 4 for inputs in shape.adapted_inputs)
     layer = norms + attend + probabilities + mlp + adapters
     outside = 2 * b * h + 4 * h  # embedding output, final norm
-    if checkpointing:
-        kept = shape.layers * b * h + layer  # every layer's input, and one layer recomputed during the backward
-    else:
-        kept = shape.layers * layer
     # the backward of one layer: the gradients of its widest activations, and of the probabilities and scores
     working = 2 * max(i * (shape.experts_per_token or 1), q) * b + 2 * (probabilities + in_backward)
-    return kept + outside, working
+    if checkpointing:
+        return shape.layers * b * h + outside, layer, working
+    return shape.layers * layer + outside, 0, working
 
 
 def _loss(shape: Shape, recipe, b: int, length: int) -> Line:
-    liger = recipe.train.get("use_liger_kernel")
+    liger = recipe.train_setting("use_liger_kernel")
     if recipe.train_setting("loss_type") == "chunked_nll" and not liger:
-        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * 3, b * shape.hidden * length,
+        # TRL's chunk holds its float32 logits, their log-softmax, its exp and their product (the logged entropy)
+        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * 4, b * shape.hidden * length, phase=LOSS,
                     note=f"logits of {LOSS_CHUNK} tokens at a time (TRL's chunked_nll)")
     if liger:
-        return Line("loss (Liger fused)", 0, b * shape.hidden * length, note="Liger's fused linear cross-entropy")
-    return Line("loss (full logits)", 0, (b + 8) * shape.vocab * length,
+        return Line("loss (Liger fused)", 0, b * shape.hidden * length, phase=LOSS,
+                    note="Liger's fused linear cross-entropy")
+    return Line("loss (full logits)", 0, (b + 8) * shape.vocab * length, phase=LOSS,
                 note="logits of every token, upcast to fp32, with their gradient")
 
 
@@ -298,7 +318,7 @@ def _stage_loss(shape: Shape, recipe, b: int, length: int) -> Line:
     freed before the policy's forward."""
     sequences = 2 if recipe.stage == "dpo" else 1
     what = {"dpo": "chosen and rejected", "kto": "answers", "grpo": "generated answers"}[recipe.stage]
-    return Line(f"log-probabilities ({recipe.stage})", 0, sequences * length * shape.vocab * (2 * b + 4),
+    return Line(f"log-probabilities ({recipe.stage})", 0, sequences * length * shape.vocab * (2 * b + 4), phase=LOSS,
                 note=f"whole logits of the {what}, their gradient and float32 log-softmax (TRL does not chunk them)")
 
 
@@ -311,12 +331,16 @@ def describe(plan_: Plan, recipe_name: str) -> str:
              f"Parameters: the model {plan_.parameters:,}; trainable params: {plan_.trainable:,} || all params: "
              f"{with_adapter:,} || trainable%: {100 * plan_.trainable / with_adapter:.4f}",
              ""]
-    width = max(len(line.what) for line in plan_.lines)
+    peak = plan_.peak_phase()
+    total_what = f"total (at the peak: {peak})"
+    width = max(len(total_what), *(len(line.what) for line in plan_.lines))
     for line in plan_.lines:
-        lines.append(f"  {line.what:<{width}}  {format_bytes(line.at(rows)):>9}  {line.note}")
+        held = f"; only in {line.phase}" + ("" if line.phase == peak else ", not at the peak") if line.phase else ""
+        lines.append(f"  {line.what:<{width}}  {format_bytes(line.at(rows)):>9}  {line.note}{held}")
     total, capacity = plan_.total(), plan_.device.capacity
     lines += ["  " + "-" * (width + 11),
-              f"  {'total':<{width}}  {format_bytes(total):>9}  of {format_bytes(capacity)} ({total / capacity:.0%}): {plan_.verdict}",
+              f"  {total_what:<{width}}  {format_bytes(total):>9}  of {format_bytes(capacity)} "
+              f"({total / capacity:.0%}): {plan_.verdict}",
               ""]
     if plan_.loading:
         lines[-1:-1] = [f"  {'while loading':<{width}}  {format_bytes(plan_.loading):>9}  the weights, the checkpoint "

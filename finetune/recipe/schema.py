@@ -76,13 +76,29 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
+    @functools.cached_property
+    def trainer(self):
+        """The trainer section resolved once: the stage's TRL config (SFTConfig, DPOConfig, ...) that the recipe
+        gives, its values over TRL's defaults and what TRL's own checks derive (as for loss_type). Read it through
+        `train_setting`; the run builds its own from `trainer_config` with what it decides on the machine."""
+        return self.trainer_config(use_cpu=True)
+
     def train_setting(self, key: str) -> Any:
-        """train.KEY as the run's trainer uses it: the recipe's value, else the value the stage's TRL config resolves
-        it to (its default, or what its own checks derive, as for loss_type). Every reader of a trainer setting
-        goes through here, so that none supplies a default of its own."""
-        resolved = self.trainer_config(use_cpu=True)
-        value = getattr(resolved, key) if hasattr(resolved, key) else self.train.get(key)
+        """train.KEY as the run's trainer uses it: the recipe's value, else the resolved config's. Every reader of a
+        trainer setting goes through here (or `precision`), so that none supplies a default of its own."""
+        value = getattr(self.trainer, key) if hasattr(self.trainer, key) else self.train.get(key)
         return value.value if isinstance(value, enum.Enum) else value  # transformers' strategy and optimizer names
+
+    @property
+    def precision(self) -> Literal["bf16", "fp16", "fp32"] | None:
+        """What train.bf16 and train.fp16 choose; None where neither is set: the device's own (the run trains in
+        bf16 where the hardware has it, fp16 on CUDA cards without it, fp32 on the CPU). TRL's config would say bf16
+        for a recipe that sets neither, whatever the device, so this one rule is the toolkit's."""
+        if self.train.get("bf16"):
+            return "bf16"
+        if self.train.get("fp16"):
+            return "fp16"
+        return "fp32" if "bf16" in self.train or "fp16" in self.train else None
 
     def eval_strategy(self, has_eval: bool) -> str:
         """When the run evaluates: train.eval_strategy, else with eval data every train.eval_steps where given, else
@@ -232,7 +248,7 @@ def _build(raw: dict[str, Any], where: str, origins: dict[str, str], for_trainin
         setattr(recipe, recipe.stage, stage_sections.resolve_section(recipe.stage, recipe.stage_section, origin, _suggest))
     recipe.train = train_section.resolve(recipe.train, recipe.method, has_eval, recipe.output_dir, origin, _suggest,
                                          for_training, recipe.stage, recipe.stage_section)
-    if for_training and mlflow_store.reports_to_mlflow(recipe.train):
+    if for_training and mlflow_store.reports_to_mlflow(recipe.train_setting("report_to")):
         mlflow_store.check_store(recipe.output_dir, recipe.mlflow.tracking_uri, origin("train.report_to"))
     return recipe
 

@@ -323,7 +323,7 @@ def evaluate_one(target: Target, examples: list[Example], settings: Settings) ->
     answers: list[dict] = []
     if examples:
         chat.renderer.loss_on, chat.renderer.train_thinking = recipe.data.loss_on, recipe.data.train_thinking
-        metrics.update(mean_loss(chat.model, chat.renderer, examples, recipe.train["max_length"],
+        metrics.update(mean_loss(chat.model, chat.renderer, examples, recipe.train_setting("max_length"),
                                  settings.batch_size))
         answers = answer_rows(chat, examples, settings.max_new_tokens, settings.batch_size)
         metrics.update(score_answers(answers, settings.metrics, settings.extract))

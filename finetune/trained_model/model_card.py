@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from finetune import hub
+from finetune.recipe.train_section import GLOBAL_BATCH
 from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
 from finetune.trained_model import saved_model
 
@@ -164,12 +165,24 @@ def training_rows(source: saved_model.SavedModel) -> list[tuple[str, object]]:
     rows.append(("data", data_names(recipe)))
     rows.append(("loss on", f"{recipe.data.loss_on} turns; reasoning (`thinking`) trained: "
                             f"{'yes' if recipe.data.train_thinking else 'no'}"))
-    rows += [(key, recipe.train[key]) for key in CARD_TRAIN_KEYS if key in recipe.train]
+    rows += _settings(recipe)
     losses = final_losses(source)
     for name in ("train_loss", "eval_loss"):
         shown = f"{losses[name]:.4f} (step {losses[name + '_step']})" if name in losses else "not recorded"
         rows.append((f"final {name.replace('_', ' ')}", shown))
     return rows
+
+
+def _settings(recipe) -> list[tuple[str, object]]:
+    """The main training settings as the run's trainer had them (TRL's defaults where the recipe left one); a global
+    batch as the recipe gives it, since the run split it over its processes."""
+    settings = {key: recipe.train_setting(key) for key in CARD_TRAIN_KEYS}
+    if recipe.train_setting(GLOBAL_BATCH):
+        del settings["gradient_accumulation_steps"]
+        settings = {GLOBAL_BATCH: recipe.train_setting(GLOBAL_BATCH), **settings}
+    if recipe.auto_micro_batch:
+        settings["per_device_train_batch_size"] = "auto (the largest that fits)"
+    return list(settings.items())
 
 
 def _quoted(base: str, origin: str | None) -> str:

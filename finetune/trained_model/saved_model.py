@@ -106,7 +106,7 @@ def load_base(folder: SavedModel, base_model: str | None = None, dtype: str | No
         model_settings = {"name_or_path": str(folder.path), "dtype": dtype or saved_dtype(folder.path)}
     as_trained = dataclasses.replace(recipe, method=method, model=dataclasses.replace(recipe.model, **model_settings))
     try:
-        return load_hf_model(as_trained, training_precision(recipe.train)).eval()
+        return load_hf_model(as_trained, training_precision(as_trained)).eval()
     except UserError as error:
         if not folder.is_adapter:
             raise

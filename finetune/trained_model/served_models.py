@@ -34,7 +34,7 @@ class Target:
     def base_key(self) -> tuple:
         """Targets with one key load one base model: where it loads from and how (4-bit for QLoRA, its dtype)."""
         recipe = self.folder.recipe
-        return self.folder.base_model(), recipe.method == "qlora", recipe.model.dtype, recipe.train.get("bf16")
+        return self.folder.base_model(), recipe.method == "qlora", recipe.model.dtype, recipe.precision
 
 
 def parse_targets(arguments: list[str]) -> list[Target]:

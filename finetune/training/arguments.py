@@ -18,7 +18,7 @@ def unused_parameter_search(recipe, backend: str, model_type: str) -> tuple[bool
     """Whether DDP looks for parameters that got no gradient in a step (a pass over the graph each step), and the
     launch line that says so."""
     if "ddp_find_unused_parameters" in recipe.train:
-        search = bool(recipe.train["ddp_find_unused_parameters"])
+        search = bool(recipe.train_setting("ddp_find_unused_parameters"))
         return search, f"DDP unused-parameter search: {'on' if search else 'off'} (train.ddp_find_unused_parameters)"
     if backend == "unsloth" and model_type == "gpt_oss":
         # Unsloth runs each expert on its own and skips those no token reached; their weights and adapters then
@@ -38,9 +38,9 @@ def runtime_arguments(recipe, data, flash: bool, backend: str, model_type: str) 
         "save_total_limit": None,  # RunTrainer rotates checkpoints itself, counting complete ones only
         "logging_nan_inf_filter": False,  # a non-finite loss must show, and stop the run
     }
-    if recipe.train.get("use_liger_kernel") and model_type == "gpt_oss":
+    if recipe.train_setting("use_liger_kernel") and model_type == "gpt_oss":
         # GPT-OSS's experts gate with a clamped, offset SwiGLU that Liger's kernel does not compute
-        arguments["liger_kernel_config"] = {**(recipe.train.get("liger_kernel_config") or {}), "swiglu": False}
+        arguments["liger_kernel_config"] = {**(recipe.train_setting("liger_kernel_config") or {}), "swiglu": False}
     if backend == "unsloth":
         arguments["gradient_checkpointing"] = False  # Unsloth checkpoints its own way (set when loading)
     if "eval_strategy" not in recipe.train:

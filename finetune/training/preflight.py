@@ -73,6 +73,6 @@ def check(recipe, launch: Launch, resume: bool | str = False, validating: bool =
         tokenizer = load_tokenizer(recipe)
         config = model_config(recipe)  # a model that cannot load is found before the data is read
         check_token_ids(tokenizer, config)
-        backends.check_packing(backend, config.model_type, recipe.train)
+        backends.check_packing(backend, config.model_type, recipe.train_setting("packing"))
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     return Checked(backend, why, tokenizer, config.model_type, data, point, notes)

@@ -84,7 +84,7 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
     checked = preflight.check(recipe, launch, resume, one_at_a_time=state.local_main_process_first)
     backend, model_type, data, tokenizer = checked.backend, checked.model_type, checked.data, checked.tokenizer
     micro, accumulation = _batch_split(recipe, state)
-    precision = training_precision(recipe.train)
+    precision = training_precision(recipe)
     search, search_why = unused_parameter_search(recipe, backend, model_type)
     if state.is_main_process:
         data_parallel = state.num_processes > 1 and state.distributed_type.value not in backends.SHARDING

@@ -338,7 +338,7 @@ def build(prepared: Prepared, run_folder: RunFolder, stop, resumed: dict[str, An
         model=prepared.model, args=prepared.args, train_dataset=prepared.data.train,
         eval_dataset=prepared.data.eval, processing_class=prepared.tokenizer, peft_config=prepared.peft_config,
         callbacks=list(prepared.callbacks), run_folder=run_folder, recipe_yaml=recipe.to_yaml(), stop=stop,
-        save_total_limit=recipe.train.get("save_total_limit"), max_length=recipe.train["max_length"],
+        save_total_limit=recipe.train_setting("save_total_limit"), max_length=recipe.train_setting("max_length"),
         similar_lengths="train_sampling_strategy" not in recipe.train, resumed=resumed)
     if recipe.stage == "sft":
         return RunTrainer(data_collator=prepared.rows_collator, **common)
