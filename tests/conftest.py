@@ -233,16 +233,51 @@ def gpt_oss_greeter(tmp_path_factory) -> Path:
     return Path(built_once(tmp_path_factory, "gpt-oss-greeter", build))
 
 
-def save_tiny_model(folder: Path, config) -> Path:
-    """A random-init model of the config (seed 0) with the real tokenizer of its architecture, as a HF folder."""
+def save_tiny_model(folder: Path, config, tokenizer=None) -> Path:
+    """A random-init model of the config (seed 0) with the real tokenizer of its architecture (or the one given), as
+    a HF folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = {"llama": "tokenizers/llama-3.2-instruct", "gpt_oss": "tokenizers/gpt-oss"}[config.model_type]
-    AutoTokenizer.from_pretrained(asset(tokenizer)).save_pretrained(folder)
+    if tokenizer is None:
+        path = {"llama": "tokenizers/llama-3.2-instruct", "gpt_oss": "tokenizers/gpt-oss"}[config.model_type]
+        tokenizer = AutoTokenizer.from_pretrained(asset(path))
+    tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
+
+
+# Each family's official chat template, as TRL ships it (trl/chat_templates/); its tokenizer: the real one where it is
+# in the shared assets (Qwen's), else Llama 3.2's vocabulary with the family's turn tokens added as special tokens, a
+# stand-in that says so: the code paths (templates, masks, end tokens) are the family's, the vocabulary is not.
+FAMILY_TEMPLATES = {"qwen2.5": "qwen2_5", "qwen3": "qwen3", "gemma2": "gemma", "gemma3": "gemma3", "phi3": "phi3",
+                    "mistral": None}  # TRL ships no Mistral template: Llama 3.2's own stands in
+STAND_IN_TURN_TOKENS = {  # the added tokens, and the end of text (eos_token) as the family's tokenizer names it
+    "gemma2": (["<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>"),
+    "gemma3": (["<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>"),
+    "phi3": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], "<|endoftext|>"),
+    "mistral": ([], None),
+}
+
+
+def family_tokenizer(family: str):
+    """The family's tokenizer with its official chat template (see FAMILY_TEMPLATES)."""
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    if family.startswith("qwen"):
+        tokenizer = AutoTokenizer.from_pretrained(asset("tokenizers/qwen2"))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(asset("tokenizers/llama-3.2-instruct"))
+        added, end = STAND_IN_TURN_TOKENS[family]
+        tokenizer.add_special_tokens({"additional_special_tokens": added})
+        if end:
+            tokenizer.eos_token = end
+    if FAMILY_TEMPLATES[family]:
+        tokenizer.chat_template = (files("trl") / "chat_templates" / f"{FAMILY_TEMPLATES[family]}.jinja").read_text()
+    return tokenizer
 
 
 # A few fast steps of the quickstart recipe, with LoRA, one loss per step and nothing random left unseeded.

@@ -115,10 +115,13 @@ def tiny_model(name: str):
     from transformers import AutoModelForCausalLM
 
     from finetune.builtin import make_tiny_llama_config, make_tokenizer
-    from finetune.models.architectures import tiny_gpt_oss
+    from finetune.models.architectures import FAMILIES, tiny, tiny_gpt_oss
     from finetune.models.loading import isolate_packed_examples
 
     torch.manual_seed(0)
+    if name in FAMILIES:  # their attention as loaded: sliding windows (Gemma, Mistral, Phi-3) narrower than examples
+        return AutoModelForCausalLM.from_config(tiny(name, vocab_size=256, pad_token_id=0, eos_token_id=1,
+                                                     bos_token_id=2, sliding_window=8), dtype=torch.float32)
     if name == "gpt-oss":  # sinks, experts, a sliding-window layer narrower than the examples
         model = AutoModelForCausalLM.from_config(tiny_gpt_oss(vocab_size=256, pad_token_id=0, eos_token_id=1,
                                                               sliding_window=8), dtype=torch.float32)
@@ -127,7 +130,8 @@ def tiny_model(name: str):
     return AutoModelForCausalLM.from_config(make_tiny_llama_config(make_tokenizer(), attn_implementation=name))
 
 
-@pytest.mark.parametrize("name", ["sdpa", "eager", "gpt-oss"])
+@pytest.mark.parametrize("name", ["sdpa", "eager", "gpt-oss", "qwen2.5", "qwen3", "gemma2", "gemma3", "mistral",
+                                  "phi3"])
 def test_packed_logits_equal_separate_logits(name):
     """Each example in a packed row sees only itself: logits match running it alone."""
     model = tiny_model(name).eval()

@@ -10,7 +10,8 @@ Every prefix is checked against the full rendering; a conversation the template 
 never a silently wrong mask.
 
 With `train_thinking` off, a turn's reasoning (`thinking`, e.g. GPT-OSS's analysis channel) is context, not target:
-the part of the turn that is absent when the turn is rendered without its reasoning carries no loss.
+the part of the turn that is absent when the turn is rendered without its reasoning carries no loss. Templates that
+read reasoning as `reasoning_content` (Qwen 3's, among others) get it under that name too.
 
 Templates see a fixed date (`strftime_now`), so renders, masks and the cache do not change with the clock; other
 template variables (GPT-OSS's `reasoning_effort`) come from `template_kwargs`.
@@ -55,6 +56,8 @@ class Renderer:
         self.loss_on = loss_on
         self.train_thinking = train_thinking
         self._special_ids = set(tokenizer.get_added_vocab().values())
+        self._reasoning_content = template is not None and "reasoning_content" in template
+        self._settings = (template_date, loss_on, train_thinking, template_kwargs)  # a sibling renderer's
         fixed = date.fromisoformat(template_date)
         self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
 
@@ -76,9 +79,14 @@ class Renderer:
         if "segments" in example:
             return "".join(segment["text"] for segment in example["segments"])
         return self.tokenizer.apply_chat_template(
-            example["messages"], tools=example.get("tools"), chat_template=self.template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self._template_kwargs,
+            self._as_template_reads(example["messages"]), tools=example.get("tools"), chat_template=self.template,
+            tokenize=False, add_generation_prompt=add_generation_prompt, **self._template_kwargs,
         )
+
+    def _as_template_reads(self, messages: list[dict]) -> list[dict]:
+        if not self._reasoning_content:
+            return messages
+        return [{**m, "reasoning_content": m["thinking"]} if m.get("thinking") else m for m in messages]
 
     def prompt_ids(self, messages: list[dict], tools: list | None = None, continuing: bool = False) -> list[int]:
         """The conversation so far with the generation prompt: what the model sees before it writes its turn.
@@ -92,19 +100,28 @@ class Renderer:
         return self._apply_template(messages, tools, add_generation_prompt, tokenize=True, return_dict=True,
                                     return_assistant_tokens_mask=with_mask, **options)
 
-    def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
-        return self._apply_template(messages, tools, add_generation_prompt, tokenize=False)
+    def _text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False,
+              template: str | None = None) -> str:
+        return self._apply_template(messages, tools, add_generation_prompt, tokenize=False, template=template)
 
-    def _apply_template(self, messages: list[dict], tools: list | None, add_generation_prompt: bool, **options):
+    def _apply_template(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
+                        template: str | None = None, **options):
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                **options, **self._template_kwargs,
+                self._as_template_reads(messages), tools=tools, chat_template=template or self.template,
+                add_generation_prompt=add_generation_prompt, **options, **self._template_kwargs,
             )
         except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
             raise BadRow(f"the chat template cannot render it: {error}") from None
 
-    def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+    def _encode_chat(self, messages: list[dict], tools: list | None,
+                     turn_ends: set[int] | None = None) -> tuple[list[int], list[int]]:
+        """`turn_ends`: the tokens that end an answer, for a template whose renderings of a conversation's prefixes
+        do not show where one ends (the answer ends at the first of them)."""
+        own = self.tokenizer.chat_template
+        if self.has_markers and own not in (None, self.template) and \
+                self._text(messages, tools) != self._text(messages, tools, template=own):
+            return self._by_the_models_own_template(messages, tools)
         if self.loss_on == "all":
             ids = list(self._tokens(messages, tools)["input_ids"])
             return ids, list(ids)
@@ -129,6 +146,8 @@ class Renderer:
                 end = start
                 while end < len(ids) and marked[end]:
                     end += 1
+            elif turn_ends:
+                end = next((i + 1 for i in range(start, len(ids)) if ids[i] in turn_ends), len(ids))
             else:
                 end = self._prefix_length(full, messages[: index + 1], tools, index)
             end = self._through_end_of_turn(ids, start, end)
@@ -138,6 +157,26 @@ class Renderer:
         if all(label == IGNORE for label in labels):
             raise BadRow("no assistant tokens after rendering")
         return ids, labels
+
+    def _by_the_models_own_template(self, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+        """A conversation that TRL's marked variant renders other than the model's own template does.
+
+        The variant of a template that drops the reasoning of turns before the last user message (Qwen 3's) gives
+        every turn a reasoning block, so that it is prefix-stable; at inference the model never sees those blocks.
+        Such a conversation is rendered as the model's template renders it, and its answers before the last user
+        message are context: trained there, without the reasoning the model would write, they would teach it to
+        answer without. The answers after it carry loss: each from where its prompt ends (checked as for any
+        template) through the first token that ends an answer in the marked variant (Qwen 3's <|im_end|>)."""
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        context = [{**m, "train": False} if i < last_user and m["role"] == "assistant" else m
+                   for i, m in enumerate(messages)]
+        marked = self._tokens(messages, tools, with_mask=True)
+        ids, mask = list(marked["input_ids"]), marked["assistant_masks"]
+        span_ends = [i for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
+        turn_ends = {next((ids[j] for j in range(i, -1, -1) if ids[j] in self._special_ids), None) for i in span_ends}
+        turn_ends.discard(None)
+        own = Renderer(self.tokenizer, self.tokenizer.chat_template, *self._settings)
+        return own._encode_chat(context, tools, turn_ends)
 
     def _after_thinking(self, ids: list[int], messages: list[dict], tools: list | None, index: int, start: int) -> int:
         """Where the turn's reasoning ends: from there on, the rendering without the reasoning agrees with the full

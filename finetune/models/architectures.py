@@ -62,3 +62,83 @@ def parameter_count(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+# The families people fine-tune beside them, at a published size each, and tiny versions that keep what differs:
+# Qwen 2.5's q/k/v biases, Qwen 3's q/k norms, Gemma's embedding scale, sandwich norms, sliding-window layers and
+# (Gemma 2) soft-capping, Mistral's sliding window, Phi-3's fused qkv_proj and gate_up_proj.
+def qwen2_5_1_5b(**changes):
+    from transformers import Qwen2Config
+
+    settings = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    return Qwen2Config(**{**settings, **changes})
+
+
+def qwen3_4b(**changes):
+    from transformers import Qwen3Config
+
+    settings = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    return Qwen3Config(**{**settings, **changes})
+
+
+def gemma2_2b(**changes):
+    from transformers import Gemma2Config
+
+    settings = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                    max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 107],
+                    pad_token_id=0)
+    return Gemma2Config(**{**settings, **changes})
+
+
+def gemma3_1b(**changes):
+    """google/gemma-3-1b-it, the text-only Gemma 3 (the 4B and larger are image-text models)."""
+    from transformers import Gemma3TextConfig
+
+    settings = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                    query_pre_attn_scalar=256, max_position_embeddings=32768, tie_word_embeddings=True,
+                    bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0)
+    return Gemma3TextConfig(**{**settings, **changes})
+
+
+def mistral_7b(**changes):
+    from transformers import MistralConfig
+
+    settings = dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                    sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return MistralConfig(**{**settings, **changes})
+
+
+def phi3_mini(**changes):
+    from transformers import Phi3Config
+
+    settings = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                    sliding_window=2047, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_id=32000, pad_token_id=32000)
+    return Phi3Config(**{**settings, **changes})
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
+FAMILIES = {  # name: the published size's config; tiny(name) scales it down
+    "qwen2.5": qwen2_5_1_5b, "qwen3": qwen3_4b, "gemma2": gemma2_2b, "gemma3": gemma3_1b, "mistral": mistral_7b,
+    "phi3": phi3_mini,
+}
+
+
+def tiny(family: str, **changes):
+    """The family's architecture at hidden 64 and 2 layers (one sliding-window and one full where it alternates)."""
+    settings = {**TINY, **({"sliding_window": 16} if family in ("gemma2", "gemma3", "mistral", "phi3") else {}),
+                **({"num_key_value_heads": 4} if family == "phi3" else {})}
+    config = FAMILIES[family](**{**settings, **changes})
+    if family == "gemma3":
+        config.layer_types = ["sliding_attention", "full_attention"]
+    return config
