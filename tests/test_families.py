@@ -76,3 +76,105 @@ def test_qwen3_trains_the_last_turns_reasoning_while_its_template_drops_earlier_
     assert trained == ["<think>\nFive twice.\n</think>\n\n10.<|im_end|>"]  # the earlier answer is context
     _, without = spans(Renderer(tokenizer, renderer.template, DATE, train_thinking=False), talk)
     assert without == ["</think>\n\n10.<|im_end|>"]  # the reasoning is context; closing it is the answer's start
+
+
+END_OF_TURN = {"qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>",
+               "phi3": "<|end|>", "mistral": "<|eot_id|>"}
+LORA_TARGETS = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}  # fused: other names than Llama's
+LLAMA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def family_model(folder, family: str):
+    """A tiny random-initialized model of the family with its tokenizer (family_tokenizer) and end tokens."""
+    from finetune.models.architectures import tiny
+    from tests.conftest import save_tiny_model
+
+    tokenizer = family_tokenizer(family)
+    ends = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN[family])})
+    config = tiny(family, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=ends,
+                  pad_token_id=tokenizer.pad_token_id)
+    return save_tiny_model(folder, config, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def greeters(tmp_path_factory):
+    """greeters(family) -> a run folder: the family's tiny model fine-tuned with LoRA on every linear layer until
+    it answers "Hi!", trained once per module."""
+    from tests.conftest import train_greeter, write_greetings
+
+    runs = {}
+    data = write_greetings(tmp_path_factory.mktemp("data") / "greetings.jsonl")
+
+    def greeter(family: str):
+        if family not in runs:
+            model = family_model(tmp_path_factory.mktemp(family), family)
+            runs[family] = train_greeter(model, data, "lora", 30, 1e-2, 4, tmp_path_factory.mktemp("runs") / family)
+        return runs[family]
+
+    return greeter
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters, family, tmp_path, capsys):
+    """LoRA on all-linear finds the family's own module names; the trained model answers and stops at the family's
+    end of turn; the merged export passes its self-check (logits against the trained model)."""
+    import json
+
+    from finetune.trained_model.chat import Chat, Sampling
+    from tests.conftest import cli_here
+
+    run = greeters(family)
+    adapter = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert {name.rsplit(".", 1)[-1] for name in adapter["target_modules"]} == LORA_TARGETS.get(family, LLAMA_TARGETS)
+    reply = Chat(run / "final").reply([{"role": "user", "content": "I am qqq."}],
+                                      Sampling(max_new_tokens=20, temperature=0))
+    assert (reply.answer, reply.ended_by) == ("Hi!", END_OF_TURN[family])
+    assert reply.thinking == ("Greet." if family == "qwen3" else "")  # the only template here with a place for it
+    code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "merged"), "--merge",
+                                  "--dtype", "fp32")
+    assert code == 0, err[-3000:]
+    assert "checked: " in printed, printed
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_each_family_trains_with_qlora_and_in_full(family, method, tmp_path):
+    """Two steps each: a 4-bit base (bitsandbytes quantizes the family's Linear layers, fused ones included) and
+    every weight trained (Gemma's and Qwen's tied embeddings)."""
+    from tests.conftest import SHORT, train_here, write_greetings
+    from tests.test_training import losses, progress
+
+    model = family_model(tmp_path / "model", family)
+    result = train_here("quickstart", f"model.name_or_path={model}", f"data.train={write_greetings(tmp_path / 'd.jsonl')}",
+                        f"output_dir={tmp_path / 'run'}", *SHORT, f"method={method}", "train.max_steps=2",
+                        "train.max_length=128")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert progress(tmp_path / "run")[-1]["status"] == "completed" and len(losses(tmp_path / "run")) == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_two_process_ddp_equals_one_big_batch(family, tmp_path):
+    """What DDP adds per family is its gradients' all-reduce over the family's parameters (none left without a
+    gradient: that would hang or fail the reducer): Qwen 3 (q/k norms) and Gemma 2 (soft-capping, sandwich norms,
+    sliding window), an epoch of 37 rows in global batches of 4, as tests/test_training.py checks for Llama."""
+    from tests.conftest import EQUAL_BATCH_EPOCH, launch_cli, run_cli, write_greetings
+    from tests.test_training import adapter, losses
+
+    model = family_model(tmp_path / "model", family)
+    data = tmp_path / "greetings-37.jsonl"
+    data.write_text("".join(write_greetings(tmp_path / "all.jsonl").read_text().splitlines(True)[:37]))
+    common = [f"model.name_or_path={model}", f"data.train={data}", *EQUAL_BATCH_EPOCH]
+    two = launch_cli("cpu_ddp_2proc", "quickstart", *common, f"output_dir={tmp_path / 'two'}",
+                     "train.per_device_train_batch_size=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("train", "quickstart", *common, f"output_dir={tmp_path / 'one'}",
+                  "train.per_device_train_batch_size=4")
+    assert one.returncode == 0, one.stderr[-3000:]
+    single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(single) == len(ddp) == 10
+    assert max(abs(a - b) / abs(a) for a, b in zip(single, ddp)) <= 1e-4
+    weights_one, weights_two = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert max((weights_one[k] - weights_two[k]).abs().max().item() for k in weights_one) <= 1e-5

@@ -4,8 +4,9 @@ Prompts are rendered exactly as in training: the chat template saved with the mo
 recipe's template variables (GPT-OSS's reasoning effort) and its fixed template date. Generation stops at the
 model's real end tokens: the end-of-turn token the template puts after an assistant turn (Llama 3.2 `<|eot_id|>`,
 ChatML `<|im_end|>`, GPT-OSS `<|return|>`), GPT-OSS's `<|call|>`, and its `<|end|>` when it closes a final-channel
-message (an `<|end|>` after the analysis channel only ends the reasoning). GPT-OSS replies are split into the
-reasoning (analysis channel) and the answer.
+message (an `<|end|>` after the analysis channel only ends the reasoning), and the end tokens of the model's own
+generation config (Phi-3's `<|end|>` beside its end of text). GPT-OSS replies are split into the reasoning (analysis
+channel) and the answer; so are replies that open with a `<think>` block (Qwen 3), where the template writes one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ HARMONY_MESSAGE = re.compile(
     r"(?:<\|end\|>|<\|return\|>|<\|call\|>|$)",
     re.S,
 )
+THINK_BLOCK = re.compile(r"\s*<think>\n?(?P<thinking>.*?)(?:\n?</think>\s*(?P<answer>.*)|$)", re.S)
 
 
 @dataclass
@@ -74,7 +76,10 @@ class Chat:
     def _bind(self, model, tokenizer, renderer) -> None:
         self.model, self.tokenizer, self.renderer = model, tokenizer, renderer
         self.harmony = "<|channel|>" in tokenizer.get_vocab()
-        self.end_ids = end_token_ids(tokenizer, renderer)
+        self.think_blocks = renderer.template is not None and "<think>" in renderer.template
+        configured = model.generation_config.eos_token_id if model.generation_config is not None else None
+        self.end_ids = end_token_ids(tokenizer, renderer) | set(
+            configured if isinstance(configured, list) else [configured] if configured is not None else [])
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, continuing: bool = False) -> list[int]:
         """The prompt for the model's turn; `continuing`: the last (assistant) message is the answer's start."""
@@ -177,7 +182,12 @@ class Chat:
         """The reply these generated tokens make (`final`: all of it; else held back at a partial character)."""
         reply = Reply(token_ids=list(generated), ended_by=self.ended_by(generated) if final else None)
         if not self.harmony:
-            reply.answer = _stable(self._text(generated, special=False), final)
+            text = self._text(generated, special=False)
+            block = THINK_BLOCK.match(text) if self.think_blocks else None
+            if block:
+                reply.thinking = _stable(block["thinking"], final)
+                text = block["answer"] or ""
+            reply.answer = _stable(text, final)
             return reply
         text = self._text(generated, special=True)
         parts = {"thinking": [], "answer": []}
