@@ -1,8 +1,9 @@
 """The memory plan against measurement: `finetune estimate`'s figure beside the peak of real training steps.
 
-Random-initialized models with the real Llama 3.2 tokenizer, of two architectures: Llama (tied 128k embeddings) at
-three sizes up to the Llama-3.2-1B shape, and Qwen2 (q/k/v biases, 2 KV heads, a 152k vocabulary) at the
-Qwen2.5-1.5B shape, trained on GSM8K packed into full rows of max_length tokens, two steps, each case in a fresh
+Random-initialized models with the real Llama 3.2 tokenizer, of three families: Llama (tied 128k embeddings) at
+three sizes up to the Llama-3.2-1B shape; Qwen 2.5 (q/k/v biases, 2 KV heads, a 152k vocabulary) at its 1.5B
+shape and Qwen 3 (q/k norms) at its 1.7B; Gemma 3 (a 262k vocabulary, sandwich norms, q/k norms, sliding-window
+layers) at its 1B, trained on GSM8K packed into full rows of max_length tokens, two steps, each case in a fresh
 process, the weights saved in bf16 as released checkpoints are:
 
   methods   LoRA fp32, LoRA bf16 (autocast), QLoRA (NF4 base)
@@ -17,8 +18,8 @@ torch.cuda.max_memory_allocated in the steps (the plan's tensors). Target: withi
 once with TRL's SFTTrainer + PEFT with their defaults (same LoRA, the same conversations of 20 GSM8K exchanges,
 longer than 4096 tokens, fp32 and gradient checkpointing for both), and prints both peaks.
 
-    python benchmarks/memory.py [--sizes small,medium,1b,qwen2.5-1.5b] [--lengths 512,2048] [--batches 1,2]
-                                [--methods lora-fp32,lora-bf16,qlora] [--checkpointing on,off]
+    python benchmarks/memory.py [--sizes small,medium,1b,qwen2.5-1.5b,qwen3-1.7b,gemma3-1b] [--lengths 512,2048]
+                                [--batches 1,2] [--methods lora-fp32,lora-bf16,qlora] [--checkpointing on,off]
     python benchmarks/memory.py --compare-trl [--sizes 1b]
 
 Needs ../shared/assets (the Llama 3.2 tokenizer and GSM8K), or $FINETUNE_SHARED_ASSETS.
@@ -36,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import ASSETS, gsm8k_rows  # noqa: E402  (the benchmarks share their data)
 
-SIZES = {  # Llama's, but for those named after another architecture
+SIZES = {  # Llama's (with the tokenizer's vocabulary), or ("family", changes) of finetune/models/architectures.py
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32),  # a smoke run of the script
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -45,8 +46,10 @@ SIZES = {  # Llama's, but for those named after another architecture
                    num_key_value_heads=4, head_dim=64),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),  # Llama-3.2-1B
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0),
+    "qwen2.5-1.5b": ("qwen2.5", {}),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8)),
+    "gemma3-1b": ("gemma3", {}),
 }
 METHODS = {
     "lora-fp32": ["method=lora", "train.bf16=false"],
@@ -57,17 +60,22 @@ TARGET = 0.15
 
 
 def make_model(folder: Path, size: str) -> None:
+    """The size's model, its own vocabulary kept (the Llama tokenizer's ids are all inside it), saved in bf16."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from finetune.models.architectures import FAMILIES
 
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "llama-3.2-instruct")
-    qwen = size.startswith("qwen")
-    shape = {"vocab_size": len(tokenizer), "rope_theta": 500000.0, **SIZES[size]}
-    config = (Qwen2Config if qwen else LlamaConfig)(
-        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **shape)
+    ends = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if isinstance(SIZES[size], tuple):
+        family, changes = SIZES[size]
+        config = FAMILIES[family](**changes, **ends)
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), rope_theta=500000.0, max_position_embeddings=8192,
+                             tie_word_embeddings=True, **ends, **SIZES[size])
     torch.manual_seed(0)
-    (Qwen2ForCausalLM if qwen else LlamaForCausalLM)(config).to(torch.bfloat16).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 

@@ -9,7 +9,9 @@ written first; the recipe is `recipe` (a recipe file's text or bytes) or else th
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +94,23 @@ def _qwen2_with_the_llama_tokenizer(folder):
                                  num_key_value_heads=1, vocab_size=128256)).save_pretrained(folder / "qwen2")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer / name, folder / "qwen2" / name)
+
+
+def _gemma2(folder):
+    """A tiny Gemma 2 (soft-capped attention scores) with the Llama 3.2 tokenizer standing in for Gemma's."""
+    import pytest
+
+    from finetune.models.architectures import tiny
+    from tests.conftest import ASSETS, family_tokenizer
+
+    if not (ASSETS / "tokenizers" / "llama-3.2-instruct").is_dir():
+        pytest.skip(f"needs the Llama 3.2 tokenizer in {ASSETS} (../shared/assets)")
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = family_tokenizer("gemma2")
+    tokenizer.save_pretrained(folder / "gemma2")
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' bar while it writes: not the command's output
+        AutoModelForCausalLM.from_config(tiny("gemma2", vocab_size=len(tokenizer))).save_pretrained(folder / "gemma2")
 
 
 def _run_with_a_cut_off_checkpoint(folder):
@@ -353,6 +372,10 @@ CASES = [
          "tokenizer_config.json) or resize the model's embeddings", ["model.name_or_path=./qwen2", "method=lora",
                                                                      "model.chat_template="],
          setup=_qwen2_with_the_llama_tokenizer),
+    Case("Gemma 2's soft-capped attention asked of sdpa", "model.attn_implementation: sdpa ignores this model's "
+         "attention soft-capping (attn_logit_softcapping 50.0), so it would train on other attention scores than the "
+         "model's; leave model.attn_implementation unset (eager), or use flash_attention_2",
+         ["model.name_or_path=./gemma2", "model.attn_implementation=sdpa"], setup=_gemma2),
     # What `finetune estimate` is asked, refused before any planning.
     *[Case(f"estimate {' '.join(args)}", message, ["train.max_length=64"], args=args, commands=("estimate",))
       for args, message in [

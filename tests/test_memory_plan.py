@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import UserError
-from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b
+from finetune.models.architectures import (gemma2_2b, gemma3_1b, gpt_oss_20b, llama_3_2_3b, mistral_7b, phi3_mini,
+                                           qwen2_5_1_5b, qwen3_4b)
 from finetune.plan import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
 from tests.conftest import cli_here, run_cli, train_here, write_recipe
@@ -20,6 +21,12 @@ HUB_MODELS = {
     "openai/gpt-oss-20b": gpt_oss_20b,
     "unsloth/gpt-oss-20b-unsloth-bnb-4bit": gpt_oss_20b,
 }
+FAMILY_MODELS = {
+    "Qwen/Qwen2.5-1.5B-Instruct": qwen2_5_1_5b, "Qwen/Qwen3-4B-Instruct-2507": qwen3_4b,
+    "google/gemma-2-2b-it": gemma2_2b, "google/gemma-3-1b-it": gemma3_1b,
+    "mistralai/Mistral-7B-Instruct-v0.3": mistral_7b, "microsoft/Phi-3-mini-4k-instruct": phi3_mini,
+}
+HUB_MODELS.update(FAMILY_MODELS)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +279,16 @@ def test_the_loss_and_the_backwards_layers_are_planned_at_their_own_times(tmp_pa
     table = memory_plan.describe(planned, "medium")
     assert re.search(r"loss \(chunked\) +509 MiB  .*; only in the loss", table), table
     assert re.search(r"total \(at the peak: the (loss|backward)\) +2.1\d GiB", table), table
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_every_family_is_planned_from_its_config(hub_cache, capsys, name):
+    """A Hub id whose config is in the cache: the memory plan with the family's own lines (Gemma 2's eager attention
+    for its soft-capped scores, a 262k vocabulary in the chunked loss), the time plan from its FLOPs."""
+    printed = estimate(capsys, "quickstart", f"model.name_or_path={name}", "method=qlora", "train.max_length=2048",
+                       "train.gradient_checkpointing=true", "train.per_device_train_batch_size=2", "--gpu", "a10",
+                       "--tokens", "10000000")
+    total = re.search(r"total \(at the peak: the (loss|backward)\)\s+([\d.]+) GiB\s+of 22.10 GiB", printed)
+    assert total and 1 < float(total.group(2)) < 22.1, printed
+    assert ("eager attention" in printed) == (name == "google/gemma-2-2b-it")
+    assert re.search(r"Time plan: [\d,]+ steps over 9,99\d,\d+ tokens", printed), printed

@@ -236,8 +236,20 @@ def four_bit_config(dtype, sharded: bool):
 
 
 def default_attention(config) -> str | None:
-    """GPT-OSS's attention sinks need eager attention unless a kernel that knows them is chosen; others: the default."""
-    return "eager" if config.model_type == "gpt_oss" else None
+    """Eager attention where sdpa would compute other scores than the model's (GPT-OSS's attention sinks, Gemma 2's
+    soft-capped scores), unless a kernel that knows them is chosen; others: transformers' default."""
+    text = config.get_text_config()
+    return "eager" if text.model_type == "gpt_oss" or getattr(text, "attn_logit_softcapping", None) else None
+
+
+def check_attention(recipe: Recipe, config) -> None:
+    """sdpa has no soft-capping: a model whose attention scores are soft-capped would train on other scores than
+    the ones it was made with (transformers 5.17 passes the cap to eager and FlashAttention only)."""
+    cap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    if cap and recipe.model.attn_implementation == "sdpa":
+        raise UserError(f"model.attn_implementation: sdpa ignores this model's attention soft-capping "
+                        f"(attn_logit_softcapping {cap}), so it would train on other attention scores than the "
+                        "model's; leave model.attn_implementation unset (eager), or use flash_attention_2")
 
 
 def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool):

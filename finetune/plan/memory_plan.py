@@ -160,7 +160,7 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     compute = _compute_bytes(recipe, shape, device)
     shard = launch.processes if launch.sharded else 1
     checkpointing = recipe.train_setting("gradient_checkpointing")
-    attention = recipe.model.attn_implementation or ("eager" if shape.model_type == "gpt_oss" else "sdpa")
+    attention = recipe.model.attn_implementation or shape.attention
     optim = str(recipe.train_setting("optim"))
 
     trainable = shape.adapter if recipe.method != "full" else shape.parameters
@@ -266,7 +266,7 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
     The attention probabilities, one float32 (Llama's eager softmax) or compute-dtype value per head and key
     position, are `kept` for the backward, or exist only in one layer's backward (`transient`)."""
     h, q, kv, i = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate
-    norms = 2 * (4 * h + b * h)  # RMSNorm keeps its float32 input and hands the normalized value to the projections
+    norms = (4 + b) * shape.norm_width  # RMSNorm keeps its float32 input and hands the normalized value on
     if attention == "flash_attention_2":
         attend = b * (3 * q + 2 * kv) + 4 * shape.heads  # q, k, v, output, o_proj input; log-sum-exp
     else:  # sdpa with a mask (packed rows) and eager repeat k and v over the query heads
@@ -299,8 +299,10 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
 def _loss(shape: Shape, recipe, b: int, length: int) -> Line:
     liger = recipe.train_setting("use_liger_kernel")
     if recipe.train_setting("loss_type") == "chunked_nll" and not liger:
-        # TRL's chunk holds its float32 logits, their log-softmax, its exp and their product (the logged entropy)
-        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * 4, b * shape.hidden * length, phase=LOSS,
+        # TRL's chunk holds its float32 logits, their log-softmax, its exp and their product (the logged entropy);
+        # soft-capping adds the scaled logits and their tanh
+        tiles = 4 + (2 if shape.logit_softcapping else 0)
+        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * tiles, b * shape.hidden * length, phase=LOSS,
                     note=f"logits of {LOSS_CHUNK} tokens at a time (TRL's chunked_nll)")
     if liger:
         return Line("loss (Liger fused)", 0, b * shape.hidden * length, phase=LOSS,

@@ -32,6 +32,9 @@ class Shape:
     saved: int  # bytes of the checkpoint's weights (the config's dtype; MXFP4 experts in 4.25 bits)
     adapted_inputs: tuple[int, ...]  # in_features of each LoRA-adapted Linear in one layer
     adapter: int  # trainable parameters of the LoRA adapter (0 for full fine-tuning)
+    norm_width: int  # values per token that one layer's RMSNorms normalize (Gemma's four, q/k norms per head)
+    logit_softcapping: bool  # tanh soft-capping of the logits (Gemma 2)
+    attention: str  # the attention implementation the model loads with when the recipe names none
 
     @property
     def parameters(self) -> int:
@@ -42,6 +45,8 @@ def model_shape(config, recipe) -> Shape:
     """Counts from the model built on the meta device (no memory, no download), with the recipe's adapter."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from finetune.models.loading import default_attention
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
@@ -59,16 +64,21 @@ def model_shape(config, recipe) -> Shape:
     adapted, adapter = _adapter(model, recipe)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", heads)
+    per_head = {"q_norm": heads, "k_norm": kv_heads}  # applied to every head's query or key
+    norm_width = sum(module.weight.numel() * per_head.get(name.rsplit(".", 1)[-1], 1)
+                     for name, module in first.named_modules() if type(module).__name__.endswith("RMSNorm"))
     return Shape(
         model_type=text.model_type, layers=len(decoder_layers), hidden=text.hidden_size, q_width=heads * head_dim,
-        kv_width=getattr(text, "num_key_value_heads", heads) * head_dim, heads=heads,
+        kv_width=kv_heads * head_dim, heads=heads,
         intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size,
         experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0, vocab=text.vocab_size,
         embedding=embedding, head=head, linear=sum(linear_weights.values()), experts=experts,
         other=total - embedding - head - sum(linear_weights.values()) - experts,
         largest_layer=sum(p.numel() for p in first.parameters()), largest_linear=largest_linear,
         layer_linears=layer_linears, saved=_checkpoint_bytes(config, total, experts), adapted_inputs=adapted,
-        adapter=adapter,
+        adapter=adapter, norm_width=norm_width, logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
+        attention=default_attention(config) or "sdpa",
     )
 
 

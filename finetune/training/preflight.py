@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from finetune.data.pipeline import PreparedData, prepare
 from finetune.models import backends
-from finetune.models.loading import check_token_ids, load_tokenizer, model_config
+from finetune.models.loading import check_attention, check_token_ids, load_tokenizer, model_config
 from finetune.plan import memory_plan
 from finetune.recipe import stage_sections
 from finetune.recipe.train_section import check_device_options, trains_on_cpu
@@ -73,6 +73,7 @@ def check(recipe, launch: Launch, resume: bool | str = False, validating: bool =
         tokenizer = load_tokenizer(recipe)
         config = model_config(recipe)  # a model that cannot load is found before the data is read
         check_token_ids(tokenizer, config)
+        check_attention(recipe, config)
         backends.check_packing(backend, config.model_type, recipe.train_setting("packing"))
         data = prepare(recipe, tokenizer, tokenizer.chat_template)
     return Checked(backend, why, tokenizer, config.model_type, data, point, notes)
