@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.models.architectures import gpt_oss_20b, llama_3_2_3b, parameter_count
+from finetune.models.architectures import (gemma2_2b, gemma3_1b, gemma3_4b, gpt_oss_20b, llama_3_2_3b, mistral_7b,
+                                           parameter_count, phi3_mini, qwen2_5_1_5b, qwen3_4b)
 from finetune.models.loading import lora_config
 from finetune.recipe.schema import load_recipe
 from tests.conftest import REPO
@@ -14,6 +15,14 @@ from tests.conftest import REPO
 def test_full_size_parameter_counts():
     assert parameter_count(llama_3_2_3b()) == 3_212_749_824
     assert parameter_count(gpt_oss_20b()) == 20_914_757_184
+
+
+@pytest.mark.parametrize("architecture, published", [
+    (qwen2_5_1_5b, 1_543_714_304), (qwen3_4b, 4_022_468_096), (gemma2_2b, 2_614_341_888), (gemma3_1b, 999_885_952),
+    (gemma3_4b, 4_300_079_472), (mistral_7b, 7_248_023_552), (phi3_mini, 3_821_079_552)])
+def test_the_families_at_their_published_sizes(architecture, published):
+    """The parameter counts their model cards and safetensors index state (Gemma 3 4B with its vision tower)."""
+    assert parameter_count(architecture()) == published
 
 
 def llama_lora_params(r: int) -> int:
@@ -33,7 +42,15 @@ def gpt_oss_lora_params(r: int, expert_layers: int) -> int:
     return 24 * r * attention + expert_layers * r * expert
 
 
+def decoder_lora_params(r: int, layers: int, hidden: int, q: int, kv: int, intermediate: int) -> int:
+    """all-linear on a Llama-style decoder (q, k, v, o, gate, up, down); an image-text model's vision tower left out."""
+    return layers * r * ((hidden + q) + 2 * (hidden + kv) + (q + hidden) + 2 * (hidden + intermediate)
+                         + (intermediate + hidden))
+
+
 RECIPES = {
+    "qwen3-4b-lora": (qwen3_4b, decoder_lora_params(16, 36, 2560, 32 * 128, 8 * 128, 9728)),  # 33,030,144
+    "gemma-3-4b-qlora": (gemma3_4b, decoder_lora_params(16, 34, 2560, 8 * 256, 4 * 256, 10240)),
     "llama-3.2-3b-unsloth-qlora": (llama_3_2_3b, llama_lora_params(16)),  # 24,313,856
     "llama-3.2-3b-lora": (llama_3_2_3b, llama_lora_params(16)),
     "gpt-oss-20b-lora": (gpt_oss_20b, gpt_oss_lora_params(8, expert_layers=3)),  # 15,040,512
@@ -49,7 +66,8 @@ def test_recipe_adapter_sizes(name):
     architecture, expected = RECIPES[name]
     recipe = load_recipe(REPO / "configs" / f"{name}.yaml")
     with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(architecture()), lora_config(recipe))
+        base = AutoModelForCausalLM.from_config(architecture())
+        model = get_peft_model(base, lora_config(recipe, base))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == expected
     if recipe.lora.target_parameters:

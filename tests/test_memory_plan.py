@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import UserError
-from finetune.models.architectures import (gemma2_2b, gemma3_1b, gpt_oss_20b, llama_3_2_3b, mistral_7b, phi3_mini,
+from finetune.models.architectures import (gemma2_2b, gemma3_1b, gemma3_4b, gpt_oss_20b, llama_3_2_3b, mistral_7b, phi3_mini,
                                            qwen2_5_1_5b, qwen3_4b)
 from finetune.plan import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
@@ -26,7 +26,7 @@ FAMILY_MODELS = {
     "google/gemma-2-2b-it": gemma2_2b, "google/gemma-3-1b-it": gemma3_1b,
     "mistralai/Mistral-7B-Instruct-v0.3": mistral_7b, "microsoft/Phi-3-mini-4k-instruct": phi3_mini,
 }
-HUB_MODELS.update(FAMILY_MODELS)
+HUB_MODELS.update(FAMILY_MODELS, **{"Qwen/Qwen3-4B": qwen3_4b, "google/gemma-3-4b-it": gemma3_4b})
 
 
 @pytest.fixture(scope="module")
@@ -226,18 +226,22 @@ def test_probe_measures_beside_the_plan():
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-3b-unsloth-qlora", "llama-3.2-3b-lora", "gpt-oss-20b-lora",
-                                  "gpt-oss-20b-unsloth-qlora", "llama-3.2-3b-dpo-qlora", "llama-3.2-3b-grpo"])
+                                  "gpt-oss-20b-unsloth-qlora", "llama-3.2-3b-dpo-qlora", "llama-3.2-3b-grpo",
+                                  "qwen3-4b-lora", "gemma-3-4b-qlora"])
 def test_recipe_headers_state_what_estimate_says(hub_cache, capsys, name):
+    """Each `finetune estimate ...` a header quotes prints the memory it states, and the step time where stated."""
     from finetune.resources import find_recipe
 
     header = " ".join(line.lstrip("# ") for line in find_recipe(name).read_text().splitlines()
                       if line.startswith("#"))
-    claim = re.search(r"`finetune estimate ([^`]+)`: ([\d.]+) GiB of ([\d.]+)", header)
-    assert claim, f"{name}'s header gives no figure from finetune estimate"
-    printed = estimate(capsys, *claim.group(1).split())
-    total = re.search(r"total \(at the peak: [^)]+\)\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
-    assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == \
-        (float(claim.group(2)), float(claim.group(3)))
+    claims = re.findall(r"`finetune estimate ([^`]+)`: ([\d.]+) GiB of ([\d.]+)([^`]*)", header)
+    assert claims, f"{name}'s header gives no figure from finetune estimate"
+    for command, used, capacity, rest in claims:
+        printed = estimate(capsys, *command.split())
+        total = re.search(r"total \(at the peak: [^)]+\)\s+([\d.]+) GiB\s+of ([\d.]+) GiB", printed)
+        assert (round(float(total.group(1)), 1), round(float(total.group(2)), 1)) == (float(used), float(capacity))
+        if step := re.search(r"a step ([\d.]+ m?s)", rest):
+            assert re.search(rf"step +{re.escape(step.group(1))} ", printed), printed
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-3b-lora", "llama-3.2-3b-unsloth-qlora", "gpt-oss-20b-lora"])

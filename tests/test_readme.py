@@ -77,7 +77,7 @@ def test_launch_commands_name_shipped_configs():
 def test_gpu_recipe_commands_name_shipped_recipes_and_configs():
     recipe_commands = [shlex.split(c) for c in commands() if c.startswith("finetune train") and "--accelerate-config" in c
                        and "quickstart" not in c and "my-recipe" not in c]
-    assert len(recipe_commands) == 6
+    assert len(recipe_commands) == 8
     for argv in recipe_commands:
         assert (REPO / "configs" / f"{argv[2]}.yaml").is_file(), argv
         assert (REPO / "accelerate_configs" / f"{argv[argv.index('--accelerate-config') + 1]}.yaml").is_file(), argv

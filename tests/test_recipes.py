@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import asset, launch_cli
+from tests.conftest import REPO, asset, launch_cli
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +28,11 @@ def data(architecture: str) -> list[str]:
 
 
 def train(recipe: str, model, data: list[str], output_dir) -> list[dict]:
+    scaled = SCALED_DOWN
+    if "global_batch_size" in (REPO / "configs" / f"{recipe}.yaml").read_text():  # one row a process, as above
+        scaled = [o for o in SCALED_DOWN if "gradient_accumulation" not in o] + ["train.global_batch_size=2"]
     result = launch_cli("cpu_ddp_2proc", recipe, f"model.name_or_path={model}", f"output_dir={output_dir}", *data,
-                        *SCALED_DOWN)
+                        *scaled)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in (output_dir / "progress.jsonl").read_text().splitlines()]
 
@@ -44,6 +47,32 @@ def test_recipe_trains_with_ddp(recipe, architecture, tiny_models, tmp_path):
     assert rows[-1]["status"] == "completed"
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    """Qwen 3 (the real Qwen tokenizer and template) and Gemma 3 4B's image-text model (Llama 3.2's vocabulary with
+    Gemma's turn tokens standing in), random-initialized at hidden 64."""
+    from finetune.models.architectures import tiny_gemma3_image_text
+    from tests.conftest import family_tokenizer, save_tiny_model
+    from tests.test_families import family_model
+
+    tokenizer = family_tokenizer("gemma3")
+    return {"qwen3": family_model(tmp_path_factory.mktemp("qwen3"), "qwen3"),
+            "gemma3": save_tiny_model(tmp_path_factory.mktemp("gemma3"), tiny_gemma3_image_text(len(tokenizer) + 3),
+                                      tokenizer)}
+
+
+@pytest.mark.parametrize("recipe, family", [("qwen3-4b-lora", "qwen3"), ("gemma-3-4b-qlora", "gemma3")])
+def test_family_recipe_trains_with_ddp(recipe, family, family_models, tmp_path):
+    """Qwen 3 on reasoning (GSM8K's rationale as thinking); Gemma 3 4B on conversations, its vision tower left
+    without adapters: two DDP processes would wait for their gradients, which text never gives."""
+    data_for = data("gpt-oss" if family == "qwen3" else "llama")
+    rows = train(recipe, family_models[family], data_for, tmp_path / "run")
+    assert rows[-1]["status"] == "completed"
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert not any("vision" in name or "projector" in name for name in adapter["target_modules"])
 
 
 def test_gpt_oss_recipe_trains_its_expert_adapters(tiny_models, tmp_path):

@@ -32,7 +32,7 @@ def counted_step(config, method: str, checkpointing: bool, length: int, trained_
     planned_recipe = recipe(method)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if method != "full":
-        model = get_peft_model(model, lora_config(planned_recipe))
+        model = get_peft_model(model, lora_config(planned_recipe, model))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method != "full":

@@ -107,6 +107,28 @@ def gemma3_1b(**changes):
     return Gemma3TextConfig(**{**settings, **changes})
 
 
+def gemma3_4b(text: dict | None = None, vision: dict | None = None, **changes):
+    """google/gemma-3-4b-it: Gemma 3's text decoder with a SigLIP vision tower (an image-text model; the toolkit
+    trains its text decoder on text)."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text_config = gemma3_1b(**{**dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                                      num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                                      sliding_window=1024, max_position_embeddings=131072,
+                                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                          "rope_theta": 1000000.0},
+                                                       "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}}),
+                                  **(text or {})})
+    vision_config = SiglipVisionConfig(**{**dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                 num_attention_heads=16, image_size=896, patch_size=14,
+                                                 vision_use_head=False), **(vision or {})})
+    settings = dict(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), mm_tokens_per_image=256,
+                    boi_token_index=255999, eoi_token_index=256000, image_token_index=262144,
+                    eos_token_id=[1, 106], tie_word_embeddings=True)
+    return Gemma3Config(**{**settings, **changes})
+
+
 def mistral_7b(**changes):
     from transformers import MistralConfig
 
@@ -142,3 +164,14 @@ def tiny(family: str, **changes):
     if family == "gemma3":
         config.layer_types = ["sliding_attention", "full_attention"]
     return config
+
+
+def tiny_gemma3_image_text(vocab_size: int):
+    """Gemma 3 4B's image-text model at hidden 64 (text) and 32 (a one-layer vision tower), for a vocabulary of
+    `vocab_size` whose last three ids stand for its image tokens."""
+    text = {**TINY, "sliding_window": 16, "vocab_size": vocab_size, "layer_types": ["sliding_attention",
+                                                                                  "full_attention"]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return gemma3_4b(text, vision, mm_tokens_per_image=4, boi_token_index=vocab_size - 3,
+                     eoi_token_index=vocab_size - 2, image_token_index=vocab_size - 1)

@@ -139,7 +139,8 @@ def load_model(recipe: Recipe, precision: dict, backend: str, gradient_checkpoin
         return _load_unsloth(recipe, precision, gradient_checkpointing), None
     if recipe.model.adapter:
         return _with_adapter(load_hf_model(recipe, precision), recipe.model.adapter, gradient_checkpointing), None
-    return load_hf_model(recipe, precision), lora_config(recipe)
+    model = load_hf_model(recipe, precision)
+    return model, lora_config(recipe, model)
 
 
 def load_reference_model(recipe: Recipe, precision: dict):
@@ -280,12 +281,24 @@ def _load_unsloth(recipe: Recipe, precision: dict, gradient_checkpointing: bool)
     )
 
 
-def lora_config(recipe: Recipe):
+# An image-text model (Gemma 3 4B and up) trains its text decoder here: the data is text, so its vision tower and
+# projector get no gradient, and under DDP the reducer would wait for theirs. "all-linear" leaves them out.
+VISION_MODULES = r".*\.(vision_tower|vision_model|visual|multi_modal_projector)(\..*)?"
+
+
+def lora_config(recipe: Recipe, model):
+    """PEFT's LoraConfig for the recipe's adapter on `model` (loaded, or built on the meta device)."""
     if recipe.method == "full":
         return None
+    import re
+
     from peft import LoraConfig
 
-    return LoraConfig(**_adapter_settings(recipe.lora), task_type="CAUSAL_LM")
+    settings = _adapter_settings(recipe.lora)
+    if settings["target_modules"] == "all-linear" and any(re.fullmatch(VISION_MODULES, name)
+                                                          for name, _ in model.named_modules()):
+        settings["exclude_modules"] = VISION_MODULES
+    return LoraConfig(**settings, task_type="CAUSAL_LM")
 
 
 def _adapter_settings(lora) -> dict:

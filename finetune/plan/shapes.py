@@ -102,7 +102,7 @@ def _adapter(model, recipe) -> tuple[tuple[int, ...], int]:
 
     from finetune.models.loading import lora_config
 
-    peft_model = get_peft_model(model, lora_config(recipe))
+    peft_model = get_peft_model(model, lora_config(recipe, model))
     first = peft_model.get_base_model().get_decoder().layers[0]
     adapted = tuple(m.in_features for m in first.modules() if isinstance(m, LoraLinear))
     return adapted, sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
