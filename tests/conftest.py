@@ -37,7 +37,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # (pytest-xdist hands out whole files in this order: `--no-loadscope-reorder` in pyproject.toml keeps it from putting
 # the files with most tests first instead); those that use the quickstart come after the long others, while it trains
 # in the background (below); the quick ones fill in at the end.
-LONGEST_FIRST = ["test_chat_export.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_training.py",
+LONGEST_FIRST = ["test_chat_export.py", "test_families.py", "test_stages.py", "test_faults.py", "test_resume.py", "test_training.py",
                  "test_recipes.py", "test_readme.py", "test_panel.py", "test_bad_input.py", "test_ray.py",
                  "test_benchmarks.py", "test_evaluate.py", "test_serve.py", "test_doctor.py", "test_backends.py",
                  "test_multinode.py", "test_time_plan.py", "test_memory_plan.py", "test_masks.py", "test_cli.py",
