@@ -135,6 +135,16 @@ def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters
                                   "--dtype", "fp32")
     assert code == 0, err[-3000:]
     assert "checked: " in printed, printed
+    loading = ', attn_implementation="eager")' if family == "gemma2" else '"auto")\n'  # sdpa ignores its cap
+    assert loading in (tmp_path / "merged" / "README.md").read_text()
+    held_out = tmp_path / "held-out.jsonl"  # names it never saw: the answer, and its end, on each
+    held_out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"I am {name}."},
+                                                         {"role": "assistant", "content": "Hi!"}]}) + "\n"
+                                for name in ("kkk", "mno", "zzyz")))
+    code, _, err = cli_here(capsys, "eval", str(run), "--data", str(held_out), "--max-new-tokens", "16")
+    assert code == 0, err[-3000:]
+    scores = json.loads((run / "eval" / "final-held-out.json").read_text())["metrics"]
+    assert scores["stop_rate"] == 1.0, scores
 
 
 @pytest.mark.integration
@@ -147,7 +157,8 @@ def test_each_family_trains_with_qlora_and_in_full(family, method, tmp_path):
     from tests.test_training import losses, progress
 
     model = family_model(tmp_path / "model", family)
-    result = train_here("quickstart", f"model.name_or_path={model}", f"data.train={write_greetings(tmp_path / 'd.jsonl')}",
+    data = write_greetings(tmp_path / "d.jsonl")
+    result = train_here("quickstart", f"model.name_or_path={model}", f"data.train={data}",
                         f"output_dir={tmp_path / 'run'}", *SHORT, f"method={method}", "train.max_steps=2",
                         "train.max_length=128")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -155,11 +166,11 @@ def test_each_family_trains_with_qlora_and_in_full(family, method, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_process_ddp_equals_one_big_batch(family, tmp_path):
     """What DDP adds per family is its gradients' all-reduce over the family's parameters (none left without a
-    gradient: that would hang or fail the reducer): Qwen 3 (q/k norms) and Gemma 2 (soft-capping, sandwich norms,
-    sliding window), an epoch of 37 rows in global batches of 4, as tests/test_training.py checks for Llama."""
+    gradient: that would fail the reducer): an epoch of 37 rows in global batches of 4, as tests/test_training.py
+    checks for Llama."""
     from tests.conftest import EQUAL_BATCH_EPOCH, launch_cli, run_cli, write_greetings
     from tests.test_training import adapter, losses
 

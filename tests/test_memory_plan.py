@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import UserError
-from finetune.models.architectures import (gemma2_2b, gemma3_1b, gemma3_4b, gpt_oss_20b, llama_3_2_3b, mistral_7b, phi3_mini,
-                                           qwen2_5_1_5b, qwen3_4b)
+from finetune.models.architectures import (gemma2_2b, gemma3_1b, gemma3_4b, gpt_oss_20b, llama_3_2_3b, mistral_7b,
+                                           phi3_mini, qwen2_5_1_5b, qwen3_4b)
 from finetune.plan import devices, memory_plan, shapes
 from finetune.recipe.schema import load_recipe
 from tests.conftest import cli_here, run_cli, train_here, write_recipe

@@ -201,7 +201,8 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
     add(_loss(shape, recipe, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
     if recipe.stage == "grpo":
         add(Line("generation (KV cache)", 0, shape.layers * 2 * shape.kv_width * compute * length,
-                 note=f"keys and values of each answer generated, prompt and up to {length - recipe.train_setting('max_length')} "
+                 note="keys and values of each answer generated, prompt and up to "
+                      f"{length - recipe.train_setting('max_length')} "
                       "new tokens"))
     if recipe.method == "qlora" and device.cuda:
         add(Line("4-bit dequantization", shape.largest_linear * compute, note="one layer's weight dequantized at a time"))

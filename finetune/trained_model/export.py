@@ -48,6 +48,7 @@ class Export:
     tolerance: float
     positions_within: int  # prompt positions whose logits are within the tolerance
     positions: int
+    attention: str | None = None  # the implementation to load it with, where transformers' default differs
     gguf: Path | None = None
     url: str | None = None
 
@@ -71,7 +72,7 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
     staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
     try:
         result = _write_and_check(source, staging, merged, DTYPES[dtype], base_model)
-        write_card(source, staging, out.name, merged, DTYPES[dtype], license)
+        write_card(source, staging, out.name, merged, DTYPES[dtype], license, result.attention)
         if out.exists():
             out.rmdir()
         staging.rename(out)
@@ -98,6 +99,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.render import Renderer
+    from finetune.models.loading import default_attention
     from finetune.trained_model.chat import end_token_ids
 
     tokenizer = saved_model.load_tokenizer(source)
@@ -115,6 +117,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
         if merged:
             model = model.to(getattr(torch, dtype))
     device = model.device
+    attention = default_attention(model.config)  # Gemma 2's soft-capped scores: sdpa, the default, ignores the cap
     model.save_pretrained(staging)
     generation = model.generation_config
     # The base's end tokens stay (Llama 3.2 lists <|end_of_text|>, <|eom_id|> after a tool call and <|eot_id|>),
@@ -138,7 +141,8 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
         raise CommandFailed("export check failed: the exported tokenizer renders conversations differently from "
                             "the one used in training; nothing was written")
     if merged:
-        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype), device_map={"": device})
+        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype), device_map={"": device},
+                                                        **({"attn_implementation": attention} if attention else {}))
     else:
         from peft import PeftModel
 
@@ -154,7 +158,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
             f"{len(differences)} positions; nothing was written"
         )
     what = "merged model" if merged and source.is_adapter else "model" if merged else "adapter"
-    return Export(staging, what, max(differences), tolerance, within, len(differences))
+    return Export(staging, what, max(differences), tolerance, within, len(differences), attention)
 
 
 def _renderer(tokenizer, source: saved_model.SavedModel, renderer_class):

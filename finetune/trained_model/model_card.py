@@ -120,7 +120,7 @@ CARD_TRAIN_KEYS = ("learning_rate", "num_train_epochs", "max_steps", "per_device
 
 
 def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged: bool, dtype: str = "bfloat16",
-               license: str | None = None) -> None:
+               license: str | None = None, attention: str | None = None) -> None:
     """README.md with the Hub's metadata: what was trained, on what, how, and how to use it."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -143,7 +143,8 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         base=_quoted(base, origin), trainer=TRAINERS[recipe.stage], exported=exported, rows=training_rows(source),
         evaluation=evaluation_rows(source), merged=merged,
         loadable_base=builtin.resolve_model(origin) if origin else "BASE",  # builtins are local folders
-        config_name=CONFIG_NAME, recipe=_shown_recipe(recipe, base).rstrip(), license=license)
+        config_name=CONFIG_NAME, recipe=_shown_recipe(recipe, base).rstrip(), license=license,
+        loading=f', attn_implementation="{attention}"' if attention else "")
     card.save(staging / "README.md")
 
 
