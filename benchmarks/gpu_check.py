@@ -119,12 +119,12 @@ def packing_child(recipe: Path, backend: str) -> dict:
     model_type = json.loads((Path(config.model.name_or_path) / "config.json").read_text())["model_type"]
     refused = None
     try:
-        backends.check_packing(backend, model_type, config.train)
+        backends.check_packing(backend, model_type, config.train_setting("packing"))
     except UserError as error:
         refused = str(error)
     flash = "flash" in (config.model.attn_implementation or "")
     one_row = runtime_arguments(config, types.SimpleNamespace(eval=None), flash, backend, model_type)["padding_free"]
-    model, _ = load_model(config, training_precision(config.train), backend, gradient_checkpointing=False)
+    model, _ = load_model(config, training_precision(config), backend, gradient_checkpointing=False)
     model.train()  # the training forward: Unsloth's differs from its inference one
     device = next(model.parameters()).device
     rng = random.Random(0)

@@ -198,7 +198,8 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
                  note="one layer's activations, recomputed for its backward"))
     add(Line("backward working set", 0, working * length * sequences, phase=BACKWARD,
              note="the gradients of one layer's activations"))
-    add(_loss(shape, recipe, compute, length) if recipe.stage == "sft" else _stage_loss(shape, recipe, compute, length))
+    add(_loss(shape, recipe, compute, length, rows) if recipe.stage == "sft" else
+        _stage_loss(shape, recipe, compute, length))
     if recipe.stage == "grpo":
         add(Line("generation (KV cache)", 0, shape.layers * 2 * shape.kv_width * compute * length,
                  note="keys and values of each answer generated, prompt and up to "
@@ -297,14 +298,15 @@ def _activations(shape: Shape, recipe, b: int, attention: str, checkpointing: bo
     return shape.layers * layer + outside, 0, working
 
 
-def _loss(shape: Shape, recipe, b: int, length: int) -> Line:
+def _loss(shape: Shape, recipe, b: int, length: int, rows: int) -> Line:
     liger = recipe.train_setting("use_liger_kernel")
     if recipe.train_setting("loss_type") == "chunked_nll" and not liger:
         # TRL's chunk holds its float32 logits, their log-softmax, its exp and their product (the logged entropy);
-        # soft-capping adds the scaled logits and their tanh
+        # soft-capping adds the scaled logits and their tanh. A micro-batch shorter than a chunk makes shorter tiles.
         tiles = 4 + (2 if shape.logit_softcapping else 0)
-        return Line("loss (chunked)", LOSS_CHUNK * shape.vocab * 4 * tiles, b * shape.hidden * length, phase=LOSS,
-                    note=f"logits of {LOSS_CHUNK} tokens at a time (TRL's chunked_nll)")
+        tokens = min(LOSS_CHUNK, rows * length)
+        return Line("loss (chunked)", tokens * shape.vocab * 4 * tiles, b * shape.hidden * length, phase=LOSS,
+                    note=f"logits of {tokens} tokens at a time (TRL's chunked_nll)")
     if liger:
         return Line("loss (Liger fused)", 0, b * shape.hidden * length, phase=LOSS,
                     note="Liger's fused linear cross-entropy")
