@@ -20,6 +20,7 @@ template variables (GPT-OSS's `reasoning_effort`) come from `template_kwargs`.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from datetime import date
 from typing import Any
@@ -175,8 +176,12 @@ class Renderer:
         span_ends = [i for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
         turn_ends = {next((ids[j] for j in range(i, -1, -1) if ids[j] in self._special_ids), None) for i in span_ends}
         turn_ends.discard(None)
-        own = Renderer(self.tokenizer, self.tokenizer.chat_template, *self._settings)
-        return own._encode_chat(context, tools, turn_ends)
+        return self._own_renderer._encode_chat(context, tools, turn_ends)
+
+    @functools.cached_property
+    def _own_renderer(self) -> Renderer:
+        """A renderer of the model's own template with this one's settings, made once (not per row)."""
+        return Renderer(self.tokenizer, self.tokenizer.chat_template, *self._settings)
 
     def _after_thinking(self, ids: list[int], messages: list[dict], tools: list | None, index: int, start: int) -> int:
         """Where the turn's reasoning ends: from there on, the rendering without the reasoning agrees with the full
