@@ -77,9 +77,7 @@ class Chat:
         self.model, self.tokenizer, self.renderer = model, tokenizer, renderer
         self.harmony = "<|channel|>" in tokenizer.get_vocab()
         self.think_blocks = renderer.template is not None and "<think>" in renderer.template
-        configured = model.generation_config.eos_token_id if model.generation_config is not None else None
-        self.end_ids = end_token_ids(tokenizer, renderer) | set(
-            configured if isinstance(configured, list) else [configured] if configured is not None else [])
+        self.end_ids = end_token_ids(tokenizer, renderer) | configured_end_ids(model.generation_config)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, continuing: bool = False) -> list[int]:
         """The prompt for the model's turn; `continuing`: the last (assistant) message is the answer's start."""
@@ -245,6 +243,12 @@ def end_token_ids(tokenizer, renderer) -> set[int]:
     vocabulary = tokenizer.get_vocab()
     ends.update(vocabulary[token] for token in ("<|return|>", "<|call|>") if token in vocabulary)
     return ends
+
+
+def configured_end_ids(generation_config) -> set[int]:
+    """The end tokens a generation config lists (one id, a list, or none)."""
+    listed = generation_config.eos_token_id if generation_config is not None else None
+    return set() if listed is None else {listed} if isinstance(listed, int) else set(listed)
 
 
 class ChatWorker:

@@ -100,7 +100,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
 
     from finetune.data.render import Renderer
     from finetune.models.loading import default_attention
-    from finetune.trained_model.chat import end_token_ids
+    from finetune.trained_model.chat import configured_end_ids, end_token_ids
 
     tokenizer = saved_model.load_tokenizer(source)
     renderer = _renderer(tokenizer, source, Renderer)
@@ -122,9 +122,7 @@ def _write_and_check(source: saved_model.SavedModel, staging: Path, merged: bool
     generation = model.generation_config
     # The base's end tokens stay (Llama 3.2 lists <|end_of_text|>, <|eom_id|> after a tool call and <|eot_id|>),
     # with the template's own.
-    listed = generation.eos_token_id
-    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-    generation.eos_token_id = sorted({*listed, *end_token_ids(tokenizer, renderer)})
+    generation.eos_token_id = sorted(configured_end_ids(generation) | end_token_ids(tokenizer, renderer))
     generation.pad_token_id = tokenizer.pad_token_id
     generation.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
