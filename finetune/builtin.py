@@ -23,6 +23,7 @@ PREFIX = "builtin:"
 VERSION = 3  # raised whenever what a builtin holds changes, so a folder an older toolkit built is not reused
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 TEMPLATE = Path(__file__).parent / "templates" / "chatml.jinja"
+MODEL_TYPE = "llama"  # every builtin model's architecture
 
 
 def home() -> Path:

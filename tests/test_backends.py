@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from finetune.errors import UserError
 from finetune.models import backends
 from tests.conftest import cli_here, run_cli, write_recipe
 
@@ -56,6 +57,45 @@ def test_auto_takes_unsloth_only_on_the_path_it_is_checked_on(cuda_with_unsloth)
     assert backends.resolve("unsloth", "dpo") == ("unsloth", "backend: unsloth (model.backend)")  # asked for
 
 
+def test_auto_trains_every_family_with_unsloth_but_phi3_which_it_would_swap(cuda_with_unsloth, tmp_path):
+    """Unsloth 2026.10.9 trains each family as named, except Microsoft's Phi-3, which it maps to its own copy laid out
+    as Mistral: an adapter for modules the named Phi-3 does not have. auto takes hf there; asked for, it is refused."""
+    from finetune.models.architectures import FAMILIES, tiny
+
+    chosen = {}
+    for family in FAMILIES:
+        tiny(family).save_pretrained(tmp_path / family)
+        chosen[family] = backends.resolve("auto", "sft", {}, "MULTI_GPU",
+                                          lambda: backends.model_type_of(str(tmp_path / family)))
+    swapped = ("Unsloth 2026.10.9 trains Microsoft's Phi-3 checkpoints as its own copies laid out as Mistral (q/k/v "
+               "and gate/up split), whose adapter does not load on the Phi-3 the recipe names")
+    assert chosen.pop("phi3") == ("hf", f"backend: hf (auto: {swapped})")
+    assert {family: backend for family, (backend, _) in chosen.items()} == dict.fromkeys(chosen, "unsloth")
+    with pytest.raises(UserError) as refused:
+        backends.resolve("unsloth", model_type=lambda: backends.model_type_of(str(tmp_path / "phi3")))
+    assert str(refused.value) == (f"model.backend: unsloth: {swapped}; name Unsloth's copy as model.name_or_path "
+                                  "(unsloth/Phi-3-mini-4k-instruct, for one) to train that, or use model.backend=hf")
+
+
+def test_the_model_type_is_read_without_transformers_from_a_folder_the_hub_cache_or_a_builtin(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from finetune.models.architectures import tiny
+
+    commit = "0" * 40
+    cached = tmp_path / "hub" / "models--microsoft--Phi-3-mini-4k-instruct"
+    (cached / "refs").mkdir(parents=True)
+    (cached / "refs" / "main").write_text(commit)
+    tiny("phi3").save_pretrained(cached / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert backends.model_type_of("microsoft/Phi-3-mini-4k-instruct") == "phi3"
+    assert backends.model_type_of(str(cached / "snapshots" / commit)) == "phi3"
+    assert backends.model_type_of("builtin:tiny-llama") == "llama"
+    assert backends.model_type_of("google/gemma-3-1b-it") is None  # not cached, offline: loading says why
+    assert backends.model_type_of(str(tmp_path / "missing")) is None
+
+
 @pytest.mark.parametrize("key", ["use_liger_kernel", "activation_offloading"])
 def test_unsloth_with_what_replaces_its_forward_is_refused_before_launch(key, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -74,11 +114,15 @@ def test_shipped_recipes_name_their_backend():
 def test_the_settings_auto_decides_by_are_read_without_validation(tmp_path):
     recipe = write_recipe(tmp_path, "model: {name_or_path: x, backend: unsloth}\nstage: dpo\n"
                                     "train: {use_liger_kernel: true}\n")
-    assert backends.requested(str(recipe), []) == ("unsloth", "dpo", {"use_liger_kernel": True})
+    assert backends.requested(str(recipe), []) == \
+        ("unsloth", "dpo", {"use_liger_kernel": True}, {"name_or_path": "x", "backend": "unsloth"})
     assert backends.requested(str(recipe), ["model.backend=auto", "stage=sft", "train.use_liger_kernel=false",
-                                            "train.activation_offloading=true"]) == \
-        ("auto", "sft", {"use_liger_kernel": False, "activation_offloading": True})
-    assert backends.requested(str(write_recipe(tmp_path, "model: [broken\n", "bad.yaml")), []) == ("auto", "sft", {})
+                                            "train.activation_offloading=true", "model.name_or_path=y",
+                                            "model.revision=v2"]) == \
+        ("auto", "sft", {"use_liger_kernel": False, "activation_offloading": True},
+         {"name_or_path": "y", "backend": "unsloth", "revision": "v2"})
+    assert backends.requested(str(write_recipe(tmp_path, "model: [broken\n", "bad.yaml")), []) == \
+        ("auto", "sft", {}, {})
 
 
 @pytest.fixture
@@ -105,11 +149,16 @@ def test_training_process_imports_unsloth_before_transformers(probe_unsloth):
     assert json.loads(record.read_text()) == {"transformers": False, "trl": False, "peft": False}
 
 
-@pytest.mark.parametrize("launched, imported", [({}, True), ({"ACCELERATE_USE_FSDP": "true"}, False)])
-def test_the_training_process_imports_unsloth_where_auto_will_pick_it(launched, imported, probe_unsloth, tmp_path):
-    """Before transformers loads, the training process decides as training will: not under FSDP."""
+@pytest.mark.parametrize("launched, family, imported", [
+    ({}, "qwen3", True), ({"ACCELERATE_USE_FSDP": "true"}, "qwen3", False), ({}, "phi3", False)])
+def test_the_training_process_imports_unsloth_where_auto_will_pick_it(launched, family, imported, probe_unsloth,
+                                                                       tmp_path):
+    """Before transformers loads, the training process decides as training will: not under FSDP, not for Phi-3."""
+    from finetune.models.architectures import tiny
+
     env, record = probe_unsloth
-    recipe = write_recipe(tmp_path, "model: {name_or_path: x}\n")
+    tiny(family).save_pretrained(tmp_path / "model")
+    recipe = write_recipe(tmp_path, f"model: {{name_or_path: {tmp_path / 'model'}}}\n")
     script = ("import torch\n"
               "torch.cuda.is_available = lambda: True  # as on a CUDA machine\n"
               "from finetune.models import backends\n"

@@ -118,7 +118,7 @@ def greeters(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters, family, tmp_path, capsys):
     """LoRA on all-linear finds the family's own module names; the trained model answers and stops at the family's
-    end of turn; the merged export passes its self-check (logits against the trained model)."""
+    end of turn; the adapter and the merged export each pass their self-check (logits against the trained model)."""
     import json
 
     from finetune.trained_model.chat import Chat, Sampling
@@ -131,6 +131,10 @@ def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters
                                       Sampling(max_new_tokens=20, temperature=0))
     assert (reply.answer, reply.ended_by) == ("Hi!", END_OF_TURN[family])
     assert reply.thinking == ("Greet." if family == "qwen3" else "")  # the only template here with a place for it
+    code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "adapter"))
+    assert code == 0 and "checked: " in printed, err[-3000:]
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == \
+        adapter["target_modules"]
     code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "merged"), "--merge",
                                   "--dtype", "fp32")
     assert code == 0, err[-3000:]
@@ -145,6 +149,48 @@ def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters
     assert code == 0, err[-3000:]
     scores = json.loads((run / "eval" / "final-held-out.json").read_text())["metrics"]
     assert scores["stop_rate"] == 1.0, scores
+
+
+@pytest.mark.integration
+def test_one_server_serves_every_family_each_stopping_at_its_end_of_turn(greeters, tmp_path):
+    """`finetune serve` with the six runs at once (six bases): each answers through the OpenAI API as chat does,
+    with Qwen 3's reasoning apart from its answer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    openai = pytest.importorskip("openai", reason="the test extra's openai client is not installed")
+    from tests.test_serve import free_port
+
+    port, log = free_port(), tmp_path / "server.log"
+    targets = [f"{family}={greeters(family)}" for family in FAMILIES]
+    with open(log, "w") as written:
+        server = subprocess.Popen([sys.executable, "-m", "finetune", "serve", *targets, "--port", str(port)],
+                                  stdout=written, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        for family in FAMILIES:
+            answer = client.chat.completions.create(model=family, temperature=0, max_tokens=20,
+                                                    messages=[{"role": "user", "content": "I am qqq."}])
+            message = answer.choices[0].message
+            assert (message.content, answer.choices[0].finish_reason) == ("Hi!", "stop"), family
+            assert getattr(message, "reasoning_content", None) == ("Greet." if family == "qwen3" else None), family
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+            server.wait(timeout=60)
+    assert "Traceback" not in log.read_text()
 
 
 @pytest.mark.integration
@@ -167,12 +213,16 @@ def test_each_family_trains_with_qlora_and_in_full(family, method, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_process_ddp_equals_one_big_batch(family, tmp_path):
+def test_two_process_ddp_equals_one_big_batch_killed_and_resumed(family, tmp_path):
     """What DDP adds per family is its gradients' all-reduce over the family's parameters (none left without a
     gradient: that would fail the reducer): an epoch of 37 rows in global batches of 4, as tests/test_training.py
-    checks for Llama."""
+    checks for Llama. The one-process run is killed (SIGKILL) after step 5 and resumed from its checkpoint of step
+    4: what a resume restores per family (the adapter on the family's modules, the optimizer, the data position)
+    must leave it equal to the two processes that were never stopped."""
+    import os
+
     from tests.conftest import EQUAL_BATCH_EPOCH, launch_cli, run_cli, write_greetings
-    from tests.test_training import adapter, losses
+    from tests.test_training import adapter, losses, progress
 
     model = family_model(tmp_path / "model", family)
     data = tmp_path / "greetings-37.jsonl"
@@ -181,9 +231,14 @@ def test_two_process_ddp_equals_one_big_batch(family, tmp_path):
     two = launch_cli("cpu_ddp_2proc", "quickstart", *common, f"output_dir={tmp_path / 'two'}",
                      "train.per_device_train_batch_size=2")
     assert two.returncode == 0, two.stderr[-3000:]
-    one = run_cli("train", "quickstart", *common, f"output_dir={tmp_path / 'one'}",
-                  "train.per_device_train_batch_size=4")
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = [*common, f"output_dir={tmp_path / 'one'}", "train.per_device_train_batch_size=4",
+           "train.save_strategy=steps", "train.save_steps=2"]
+    killed = run_cli("train", "quickstart", *one, env={**os.environ, "FINETUNE_FAULTS": "die@step:5",
+                                                       "FINETUNE_FAULT_READY": str(tmp_path / "died")})
+    assert killed.returncode == -9 and (tmp_path / "died").exists(), killed.stderr[-3000:]
+    resumed = run_cli("train", "quickstart", *one, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["resumed"]["from"] for row in progress(tmp_path / "one") if "resumed" in row] == ["checkpoint-4"]
     single, ddp = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(single) == len(ddp) == 10
     assert max(abs(a - b) / abs(a) for a, b in zip(single, ddp)) <= 1e-4

@@ -160,18 +160,21 @@ def test_plan_follows_the_recipe(tmp_path):
     assert total("train.loss_type=nll") > plain  # 4096 x 201088 logits, 10 bytes each: above the backward's
 
 
-def test_gpt_oss_under_unsloth_in_float16_is_planned_as_unsloth_trains_it_in_float32(tmp_path):
-    """Asked for fp16, Unsloth trains GPT-OSS without mixed precision (it cannot run it in float16): the activations
-    of an fp32 run. In bf16, which every GPU here has, it trains in bf16."""
-    def activations(*overrides):
+@pytest.mark.parametrize("make_config", [gpt_oss_20b, gemma3_1b, gemma3_4b])
+def test_what_unsloth_cannot_run_in_float16_is_planned_as_it_trains_it_in_float32(make_config, tmp_path):
+    """Asked for fp16, Unsloth trains GPT-OSS and Gemma 3 without mixed precision (it cannot run them in float16): the
+    activations of an fp32 run. In bf16, which every GPU here has, it trains them in bf16; others train in fp16."""
+    def activations(*overrides, config=make_config()):
         recipe = recipe_for(tmp_path, "method=qlora", "model.backend=unsloth", "train.max_length=2048", *overrides)
-        planned = memory_plan.plan(recipe, shapes.model_shape(gpt_oss_20b(), recipe),
+        planned = memory_plan.plan(recipe, shapes.model_shape(config, recipe),
                                    devices.device_named("a10"), memory_plan.Launch(1, False, "test"), 1)
         return next(line for line in planned.lines if line.what == "activations").per_row
 
     bf16, fp32 = activations(), activations("train.bf16=false", "train.fp16=false")
     assert activations("train.bf16=false", "train.fp16=true") == fp32 == activations("model.dtype=float16")
     assert fp32 > 1.8 * bf16 and activations("train.bf16=true") == bf16
+    assert activations("train.bf16=false", "train.fp16=true", config=qwen3_4b()) == \
+        activations(config=qwen3_4b())  # Qwen 3 trains in fp16 as asked
 
 
 def test_auto_micro_batch_keeps_the_global_batch(tmp_path):
@@ -296,3 +299,27 @@ def test_every_family_is_planned_from_its_config(hub_cache, capsys, name):
     assert total and 1 < float(total.group(2)) < 22.1, printed
     assert ("eager attention" in printed) == (name == "google/gemma-2-2b-it")
     assert re.search(r"Time plan: [\d,]+ steps over 9,99\d,\d+ tokens", printed), printed
+
+
+@pytest.mark.integration  # the panel plans in a child process
+@pytest.mark.parametrize("name, model", [("qwen3-4b-lora", "Qwen/Qwen3-4B"),
+                                         ("gemma-3-4b-qlora", "google/gemma-3-4b-it")])
+def test_the_panel_lists_and_plans_the_family_recipes_and_estimate_compares_them(hub_cache, capsys, tmp_path, name,
+                                                                                  model):
+    """The Train tab offers each family's recipe with its model, and plans it as `finetune estimate` does; the
+    launch comparison times it on A10s and H100s (both fit: the recipe's header says so)."""
+    from finetune.resources import find_recipe
+    from finetune.ui import train_tab
+    from finetune.ui.workspace import Workspace
+
+    workspace = Workspace(tmp_path)
+    assert name in workspace.recipe_names()
+    fields, message = train_tab.recipe_fields(workspace, name)
+    assert message == "" and model in fields.values(), fields
+    planned = workspace.estimate(name, [], "ddp_8xh100", "h100")
+    assert planned == estimate(capsys, str(find_recipe(name)), "--gpu", "h100", "--accelerate-config",
+                               "ddp_8xh100").strip()
+    assert re.search(r"total \(at the peak: [^)]+\)\s+[\d.]+ GiB\s+of 79.10 GiB", planned), planned
+    compared = estimate(capsys, name, "--compare", "a10x8,h100x8", "--tokens", "10000000")
+    rows = {line.split()[0]: line.split()[1] for line in compared.splitlines() if line.startswith(("a10x8", "h100x8"))}
+    assert rows == {"a10x8": "yes", "h100x8": "yes"}, compared

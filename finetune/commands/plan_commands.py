@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.models import backends
 from finetune.plan import devices, flops, memory_plan, shapes, time_plan
 
 TOKENS_SOURCE = "from --tokens: rows of max_length, every token carrying loss"
@@ -24,8 +25,6 @@ def estimate_command(args) -> int:
     launches = _compared(args.compare) if args.compare else None
     prices = _prices(args)
     if args.probe:
-        from finetune.models import backends
-
         backends.import_first(args.recipe, args.overrides)  # the probe trains: Unsloth, if used, loads first
     recipe = load_recipe(args.recipe, args.overrides)
     launch = memory_plan.launch_of(accelerate_settings(args.accelerate_config), args.num_gpus)
@@ -43,7 +42,7 @@ def estimate_command(args) -> int:
         return 0
     plan = memory_plan.plan(recipe, shape, device, launch, memory_plan.micro_batch_of(recipe, device, launch, shape))
     print(memory_plan.describe(plan, args.recipe))
-    speed = time_plan.assumed_speed(device, _backend(recipe, device))
+    speed = time_plan.assumed_speed(device, _backend(recipe, device, shape.model_type))
     if args.probe:
         speed = _probe(args, recipe, shape, layout, work) or speed
     elif not args.gpu and not isinstance(work, str):
@@ -160,7 +159,7 @@ def _comparison(recipe, shape, layout, work, launches, prices) -> str:
         if not fits:
             lines.append(f"{f'{card}x{count}':<12} {'no':<5} {'–':>11} {'–':>9} {'–':>10} {'–':>9} {'–':>10}")
             continue
-        speed = time_plan.assumed_speed(device, _backend(recipe, device))
+        speed = time_plan.assumed_speed(device, _backend(recipe, device, shape.model_type))
         timed = time_plan.plan_time(recipe, shape, layout, epoch, rows, evaluation, device, launch, micro, speed)
         price = prices.get(card)
         cost = f"${timed.cost(price):,.2f}" if price is not None else "–"
@@ -200,10 +199,12 @@ def _prices(args) -> dict[str, float]:
     return {card: float(price) for card, price in prices.items()}
 
 
-def _backend(recipe, device: devices.Device) -> str:
+def _backend(recipe, device: devices.Device, model_type: str) -> str:
+    """The backend a run would train with, for its assumed speed (backends.resolve, on the planned card)."""
     if recipe.model.backend != "auto":
         return recipe.model.backend
-    return "unsloth" if device.cuda and importlib.util.find_spec("unsloth") else "hf"
+    unsloth = device.cuda and importlib.util.find_spec("unsloth") and model_type not in backends.UNSLOTH_SWAPS
+    return "unsloth" if unsloth else "hf"
 
 
 def _probe(args, recipe, shape, layout, work) -> time_plan.Speed | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.errors import UserError
+from finetune.models import backends
 from finetune.plan.devices import MIB, Device, format_bytes
 from finetune.plan.shapes import Shape
 
@@ -230,9 +231,8 @@ def plan(recipe, shape: Shape, device: Device, launch: Launch, rows: int) -> Pla
 
 def _compute_bytes(recipe, shape: Shape, device: Device) -> int:
     """Bytes of one activation value: bf16/fp16 when the recipe (or the GPU default) trains in them, else fp32.
-    Unsloth cannot run GPT-OSS in float16: asked to, it loads the weights in bf16 and trains without mixed
-    precision, in fp32 (unsloth 2026.10.9, models/loader.py and models/rl.py, "forced float32")."""
-    if recipe.model.backend == "unsloth" and shape.model_type == "gpt_oss" and (
+    Unsloth cannot run GPT-OSS or Gemma 3 in float16: asked to, it trains them in fp32 (UNSLOTH_FP32_FOR_FP16)."""
+    if recipe.model.backend == "unsloth" and shape.model_type in backends.UNSLOTH_FP32_FOR_FP16 and (
             recipe.precision == "fp16" or recipe.model.dtype == "float16"):
         return 4
     if recipe.precision:

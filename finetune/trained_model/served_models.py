@@ -95,10 +95,11 @@ def load(targets: list[Target]) -> list[Loaded]:
             if target.base:
                 adapters[target.name] = BASE
                 continue
+            adapter = f"adapter_{len(adapters)}"  # PEFT's names are module names: a served name such as qwen2.5 is not
             if not isinstance(model, PeftModel):
-                model = PeftModel.from_pretrained(model, target.folder.path, adapter_name=target.name)
+                model = PeftModel.from_pretrained(model, target.folder.path, adapter_name=adapter)
             else:
-                model.load_adapter(target.folder.path, adapter_name=target.name)
-            adapters[target.name] = target.name
+                model.load_adapter(target.folder.path, adapter_name=adapter)
+            adapters[target.name] = adapter
         loaded.append(Loaded(model.eval(), adapters, isinstance(model, PeftModel)))
     return loaded

@@ -6,6 +6,7 @@ with the same message."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 from finetune.data.pipeline import PreparedData, prepare
@@ -52,7 +53,9 @@ def check(recipe, launch: Launch, resume: bool | str = False, validating: bool =
     prepare the data, the first process of each machine before the others (they then read its cache)."""
     import torch
 
-    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train, launch.distributed_type)
+    model_type = functools.partial(backends.model_type_of, recipe.model.name_or_path, recipe.model.revision)
+    backend, why = backends.resolve(recipe.model.backend, recipe.stage, recipe.train, launch.distributed_type,
+                                    model_type)
     if say:
         say(why, flush=True)
     cuda = torch.cuda.is_available() and not launch.use_cpu and not trains_on_cpu(recipe.train)
