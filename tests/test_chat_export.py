@@ -349,9 +349,18 @@ def test_export_refusals_leave_nothing(trained, tmp_path, capsys, monkeypatch):
     code, _, err = cli_here(capsys, "export", str(final), "--out", str(taken))
     assert code == 2 and "not empty" in err and os.listdir(taken) == ["keep.txt"]
 
-    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    code, _, err = cli_here(capsys, "export", str(final), "--out", str(tmp_path / "gguf"), "--gguf")
+    assert code == 2 and err == "error: --gguf converts a whole model: add --merge to merge the adapter into its " \
+                                "base first\n"
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # as without the gguf extra
     code, _, err = cli_here(capsys, "export", str(final), "--out", str(tmp_path / "gguf"), "--merge", "--gguf")
-    assert code == 2 and "convert_hf_to_gguf.py" in err and "LLAMA_CPP_DIR" in err
+    assert code == 2 and err.startswith("error: --gguf needs llama.cpp's Python bindings, which check the GGUF: "
+                                        'pip install -e ".[gguf]"'), err
     assert not (tmp_path / "gguf").exists() and not list(tmp_path.glob(".gguf-partial-*"))
 
 
@@ -365,15 +374,6 @@ def test_failed_check_exits_nonzero_and_writes_nothing(trained, tmp_path, monkey
         export.export(trained("llama", "lora") / "final", tmp_path / "out", merge=True, push_to_hub="me/never")
     assert failure.value.exit_code == 1
     assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR (a llama.cpp checkout with its "
-                    "converter's requirements installed) is not set")
-def test_gguf_export_with_llama_cpp(trained, tmp_path):
-    out = tmp_path / "gguf"
-    result = run_cli("export", str(trained("llama", "lora") / "final"), "--out", str(out), "--merge", "--gguf")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "model-bf16.gguf").stat().st_size > 0
 
 
 class FakeHub:

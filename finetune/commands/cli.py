@@ -190,7 +190,10 @@ def _add_export(commands) -> None:
     export.add_argument("--base-model", help="where the adapter's base model is, if not where the recipe says")
     export.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this Hub repository")
     export.add_argument("--private", action="store_true", help="create the Hub repository private")
-    export.add_argument("--gguf", action="store_true", help="also write a GGUF of the merged model (llama.cpp)")
+    export.add_argument("--gguf", action="store_true",
+                        help="also write a GGUF of the merged model, checked by llama.cpp (the gguf extra)")
+    export.add_argument("--gguf-type", choices=["f32", "f16", "bf16", "q8_0", "q4_k_m"],
+                        help="the GGUF's weights (default: --dtype's: bf16, f16 or f32); implies --gguf")
     export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
     export.add_argument("--register", metavar="NAME",
                         help="register the export as a new version of NAME in the MLflow model registry (the "

@@ -17,19 +17,17 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import CommandFailed, UserError
 from finetune.run_folder import CONFIG_NAME
-from finetune.trained_model import saved_model
+from finetune.trained_model import gguf, saved_model
 from finetune.trained_model.model_card import base_origin, write_card
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
+GGUF_REPORT = "gguf-check.json"
 CHECK_CONVERSATION = [{"role": "user", "content": "Write one sentence about the sea, then count to five."}]
 # Relative to the largest reference logit. bfloat16 keeps 8 bits of mantissa (relative step 2^-8 = 0.0039) and
 # float16 11; a merged or cast model rounds every weight once, and the rounding errors of a few layers add up to a
@@ -50,12 +48,14 @@ class Export:
     positions: int
     attention: str | None = None  # the implementation to load it with, where transformers' default differs
     gguf: Path | None = None
+    gguf_report: dict | None = None  # llama.cpp's check of it (gguf.Report.as_dict)
     url: str | None = None
 
 
 def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str | None = None,
-           push_to_hub: str | None = None, private: bool = False, gguf: bool = False,
+           push_to_hub: str | None = None, private: bool = False, gguf_type: str | None = None,
            license: str | None = None) -> Export:
+    """`gguf_type`: also a GGUF of that type (gguf.TYPES), checked by llama.cpp before the folder takes its name."""
     source = saved_model.locate(path)
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -63,16 +63,18 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     merged = merge or not source.is_adapter  # a fully fine-tuned model is exported whole, in --dtype
-    converter = gguf_converter() if gguf else None
-    if gguf and not merged:
-        raise UserError("--gguf converts a whole model: add --merge to merge the adapter into its base first")
+    converter = _check_gguf(source, merged, gguf_type, base_model) if gguf_type else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-partial-"))
     staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
     try:
         result = _write_and_check(source, staging, merged, DTYPES[dtype], base_model)
-        write_card(source, staging, out.name, merged, DTYPES[dtype], license, result.attention)
+        if gguf_type:
+            result.gguf, result.gguf_report = _write_and_check_gguf(source, staging, converter, gguf_type,
+                                                                    result.attention)
+        write_card(source, staging, out.name, merged, DTYPES[dtype], license, result.attention,
+                   result.gguf_report)
         if out.exists():
             out.rmdir()
         staging.rename(out)
@@ -80,11 +82,74 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     result.folder = out
-    if converter:
-        result.gguf = _convert_to_gguf(converter, out, dtype)
+    if result.gguf:
+        result.gguf = out / result.gguf.name
     if push_to_hub:
         result.url = push(out, push_to_hub, private)
     return result
+
+
+def _check_gguf(source: saved_model.SavedModel, merged: bool, gguf_type: str, base_model: str | None) -> Path:
+    """What a GGUF export needs, found before any work: a whole model, a known type, the pinned llama.cpp, and a
+    model its converter takes; the converter."""
+    from transformers import AutoConfig
+
+    if gguf_type not in gguf.TYPES:
+        raise UserError(f"--gguf-type {gguf_type}: choose one of {', '.join(gguf.TYPES)}")
+    if not merged:
+        raise UserError("--gguf converts a whole model: add --merge to merge the adapter into its base first")
+    script = gguf.converter()
+    config = AutoConfig.from_pretrained(source.base_model(base_model) if source.is_adapter else source.path)
+    gguf.convertible(script, config, saved_model.load_tokenizer(source))
+    return script
+
+
+def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script: Path, gguf_type: str,
+                          attention: str | None) -> tuple[Path, dict]:
+    """The checked export as a GGUF in `staging`, and llama.cpp's check of it (gguf-check.json); a check that
+    fails raises, and the export is not kept."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.render import Renderer
+    from finetune.trained_model.chat import configured_end_ids
+
+    target = staging / f"model-{gguf_type}.gguf"
+    with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
+        reference = target if gguf_type == "f32" else Path(scratch) / "model-f32.gguf"
+        gguf.convert(script, staging, reference, "f32")
+        if gguf_type != "f32":
+            gguf.convert(script, staging, target, gguf_type)
+        model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
+                                                     **({"attn_implementation": attention} if attention else {}))
+        tokenizer = AutoTokenizer.from_pretrained(staging)
+        renderer, end_ids = _renderer(tokenizer, source, Renderer), configured_end_ids(model.generation_config)
+        report = gguf.check(target, gguf_type, reference, model.eval(), tokenizer, renderer, end_ids)
+    found = report.as_dict()
+    if report.problems:
+        raise CommandFailed("gguf check failed: " + "; ".join(report.problems[:5]) + "; nothing was written")
+    found["ollama"] = _write_modelfile(source, staging, target, tokenizer, renderer, end_ids)
+    (staging / GGUF_REPORT).write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+    return target, found
+
+
+def _write_modelfile(source: saved_model.SavedModel, staging: Path, gguf_file: Path, tokenizer, renderer,
+                     end_ids: set[int]) -> str:
+    """An Ollama Modelfile beside the GGUF, where the template can be written as Ollama's; what was done."""
+    from finetune.trained_model import ollama
+
+    def render(messages: list[dict]) -> str:
+        return renderer.render_text({"messages": messages}, add_generation_prompt=True)
+
+    try:
+        adds_bos = tokenizer.bos_token and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+        text = ollama.modelfile(gguf_file.name, render, tokenizer.convert_ids_to_tokens(sorted(end_ids)),
+                                source.recipe.data.system_prompt, source.recipe.train_setting("max_length"),
+                                tokenizer.bos_token if adds_bos else "")
+    except ollama.Inexpressible as why:
+        return f"no Modelfile: {why}"
+    (staging / "Modelfile").write_text(text, encoding="utf-8")
+    return "Modelfile"
 
 
 def _umask() -> int:
@@ -187,32 +252,6 @@ def _point_adapter_at_base(staging: Path, source: saved_model.SavedModel) -> Non
     name = source.recipe.model.name_or_path
     config["base_model_name_or_path"] = base_origin(name) or builtin.resolve_model(name)
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-
-
-def gguf_converter() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py: in $LLAMA_CPP_DIR, or on PATH."""
-    places = []
-    if os.environ.get("LLAMA_CPP_DIR"):
-        places.append(Path(os.environ["LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py")
-    on_path = shutil.which("convert_hf_to_gguf.py")
-    if on_path:
-        places.append(Path(on_path))
-    for place in places:
-        if place.is_file():
-            return place
-    raise UserError("--gguf needs llama.cpp's converter (convert_hf_to_gguf.py), which was not found: set "
-                    "LLAMA_CPP_DIR to a llama.cpp checkout (with `pip install -r requirements.txt` done there), or "
-                    "put the script on PATH; or export without --gguf")
-
-
-def _convert_to_gguf(converter: Path, out: Path, dtype: str) -> Path:
-    target = out / f"model-{GGUF_TYPES[dtype]}.gguf"
-    result = subprocess.run([sys.executable, str(converter), str(out), "--outfile", str(target),
-                             "--outtype", GGUF_TYPES[dtype]], capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        raise CommandFailed(f"llama.cpp's converter failed: {last}; the checked export in {out} is intact")
-    return target
 
 
 def push(folder: Path, repo: str, private: bool) -> str:

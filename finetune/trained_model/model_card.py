@@ -10,7 +10,7 @@ from pathlib import Path
 from finetune import hub
 from finetune.recipe.train_section import GLOBAL_BATCH
 from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
-from finetune.trained_model import saved_model
+from finetune.trained_model import gguf, saved_model
 
 
 def final_losses(source: saved_model.SavedModel) -> dict[str, float]:
@@ -120,7 +120,7 @@ CARD_TRAIN_KEYS = ("learning_rate", "num_train_epochs", "max_steps", "per_device
 
 
 def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged: bool, dtype: str = "bfloat16",
-               license: str | None = None, attention: str | None = None) -> None:
+               license: str | None = None, attention: str | None = None, gguf_report: dict | None = None) -> None:
     """README.md with the Hub's metadata: what was trained, on what, how, and how to use it."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -144,7 +144,8 @@ def write_card(source: saved_model.SavedModel, staging: Path, title: str, merged
         evaluation=evaluation_rows(source), merged=merged,
         loadable_base=builtin.resolve_model(origin) if origin else "BASE",  # builtins are local folders
         config_name=CONFIG_NAME, recipe=_shown_recipe(recipe, base).rstrip(), license=license,
-        loading=f', attn_implementation="{attention}"' if attention else "")
+        loading=f', attn_implementation="{attention}"' if attention else "",
+        gguf=gguf_report and {"file": gguf_report["file"], "checked": gguf.summary(gguf_report)})
     card.save(staging / "README.md")
 
 
