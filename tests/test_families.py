@@ -137,10 +137,10 @@ def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters
         adapter["target_modules"]
     real_tokenizer = family.startswith("qwen")  # the stand-ins are no vocabulary llama.cpp's converter should take
     code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "merged"), "--merge",
-                                  "--dtype", "fp32", *(["--gguf-type", "q8_0"] if real_tokenizer else []))
+                                  "--dtype", "fp32", *(["--gguf"] if real_tokenizer else []))
     assert code == 0, err[-3000:]
     assert "checked: " in printed, printed
-    if real_tokenizer:  # llama.cpp answers as trained: its template (with tools), tokens and end of turn
+    if real_tokenizer:  # llama.cpp answers as trained (an f32 GGUF): its template (tools), tokens and end of turn
         assert "greedy answers 12 of 12 identical (f32, f32 KV cache)" in printed, printed
     loading = ', attn_implementation="eager")' if family == "gemma2" else '"auto")\n'  # sdpa ignores its cap
     assert loading in (tmp_path / "merged" / "README.md").read_text()

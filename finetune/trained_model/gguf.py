@@ -336,17 +336,19 @@ def _transformers_greedy(model, prompts: list[list[int]], end_ids: set[int]) -> 
 
     answers = []
     for prompt in prompts:
-        ids = list(prompt)
-        scores = []
+        answer, scores = [], []
         with torch.inference_mode():
-            for _ in range(GREEDY_TOKENS):
-                logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+            step = model(torch.tensor([prompt], device=model.device), use_cache=True)
+            while len(answer) < GREEDY_TOKENS:
+                logits = step.logits[0, -1].float()
                 top = torch.topk(logits, 2).values
                 scores.append([top[0].item(), top[1].item(), logits.abs().max().item()])
-                ids.append(int(logits.argmax()))
-                if ids[-1] in end_ids:
+                answer.append(int(logits.argmax()))
+                if answer[-1] in end_ids:
                     break
-        answers.append((ids[len(prompt):], scores))
+                step = model(torch.tensor([answer[-1:]], device=model.device), past_key_values=step.past_key_values,
+                             use_cache=True)
+        answers.append((answer, scores))
     return answers
 
 
