@@ -80,10 +80,10 @@ def test_a_stale_template_that_reaches_the_gguf_fails_the_check_and_nothing_is_k
 
     convert = gguf.convert
 
-    def with_a_stale_template(script, folder, target, gguf_type):
+    def with_a_stale_template(script, folder, target, outtype, *extra):
         config = json.loads((folder / "tokenizer_config.json").read_text())
         (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages }}"}))
-        convert(script, folder, target, gguf_type)
+        convert(script, folder, target, outtype, *extra)
 
     monkeypatch.setattr(gguf, "convert", with_a_stale_template)
     with pytest.raises(CommandFailed, match="gguf check failed: the embedded chat template is not the one the run "

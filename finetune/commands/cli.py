@@ -13,6 +13,7 @@ from finetune.commands.model_commands import chat_command, eval_command, export_
 from finetune.commands.plan_commands import estimate_command
 from finetune.errors import UserError
 from finetune.trained_model.evaluate import METRICS  # light: its heavy imports are inside its functions
+from finetune.trained_model.gguf import TYPES as GGUF_TYPES
 from finetune.trained_model.served_models import MAX_REQUEST_MB
 
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. quickstart)"
@@ -192,7 +193,7 @@ def _add_export(commands) -> None:
     export.add_argument("--private", action="store_true", help="create the Hub repository private")
     export.add_argument("--gguf", action="store_true",
                         help="also write a GGUF of the merged model, checked by llama.cpp (the gguf extra)")
-    export.add_argument("--gguf-type", choices=["f32", "f16", "bf16", "q8_0", "q4_k_m"],
+    export.add_argument("--gguf-type", choices=GGUF_TYPES,
                         help="the GGUF's weights (default: --dtype's: bf16, f16 or f32); implies --gguf")
     export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
     export.add_argument("--register", metavar="NAME",

@@ -115,7 +115,7 @@ def chat_command(args) -> int:
 def export_command(args) -> int:
     from finetune.trained_model import saved_model
     from finetune.trained_model.export import export
-    from finetune.trained_model.gguf import summary as gguf_summary
+    from finetune.trained_model import gguf
 
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
@@ -125,7 +125,7 @@ def export_command(args) -> int:
 
         check_store(run or args.out, None, "--register")
     _quiet_loading()
-    gguf_type = args.gguf_type or ({"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[args.dtype] if args.gguf else None)
+    gguf_type = args.gguf_type or (gguf.OF_DTYPE[args.dtype] if args.gguf else None)
     result = export(args.path, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model,
                     push_to_hub=args.push_to_hub, private=args.private, gguf_type=gguf_type, license=args.license)
     check = ("logits identical to the trained model's" if result.tolerance == 0 else
@@ -133,7 +133,7 @@ def export_command(args) -> int:
              f"{result.positions} positions, largest difference {result.max_difference:.2g}")
     print(f"exported the {result.what} to {result.folder} (checked: {check})")
     if result.gguf:
-        print(f"gguf: {result.gguf} (checked by llama.cpp: {gguf_summary(result.gguf_report)})")
+        print(f"gguf: {result.gguf} (checked by llama.cpp: {gguf.summary(result.gguf_report)})")
         made = result.gguf_report["ollama"]
         print(f"ollama: {result.folder / made} (ollama create NAME -f {result.folder / made})" if made == "Modelfile"
               else f"ollama: {made}")

@@ -118,7 +118,9 @@ def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script:
     with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
         reference = target if gguf_type == "f32" else Path(scratch) / "model-f32.gguf"
         gguf.convert(script, staging, reference, "f32")
-        if gguf_type != "f32":
+        if gguf_type in gguf.QUANTIZED_BY_THE_BINDINGS:
+            gguf.quantize(reference, target, gguf_type)
+        elif gguf_type != "f32":
             gguf.convert(script, staging, target, gguf_type)
         model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
                                                      **({"attn_implementation": attention} if attention else {}))

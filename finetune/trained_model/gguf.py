@@ -29,6 +29,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
 QUANTIZED_BY_THE_BINDINGS = {"q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q4_K_M: made from the f32 GGUF
+OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}  # the type of an export's --dtype
 # A greedy divergence is a failure where the reference was confident: its top-1 logit above its top-2 by more than
 # this share of its largest logit. f32 computes as transformers does but in another order (1e-5 apart); f16 and
 # bf16 round every weight to 11 and 8 bits (relative steps 0.0005 and 0.004) and the export's self-check allows
@@ -109,29 +110,24 @@ def convertible(script: Path, config, tokenizer) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        _run_converter(script, Path(scratch), Path(scratch) / "vocab.gguf", "f32", "--vocab-only")
+        convert(script, Path(scratch), Path(scratch) / "vocab.gguf", "f32", "--vocab-only")
 
 
-def convert(script: Path, folder: Path, target: Path, gguf_type: str) -> None:
-    """The export folder as a GGUF of `gguf_type` (a K-quant is made from an f32 GGUF by the bindings)."""
-    if gguf_type not in QUANTIZED_BY_THE_BINDINGS:
-        _run_converter(script, folder, target, gguf_type)
-        return
-    whole = target.with_name(target.stem + ".f32.gguf")
-    _run_converter(script, folder, whole, "f32")
-    failed = in_llama_process(_quantize, str(whole), str(target), QUANTIZED_BY_THE_BINDINGS[gguf_type])
-    whole.unlink()
-    if failed:
-        raise CommandFailed(f"llama.cpp could not quantize the GGUF to {gguf_type} (status {failed}); nothing was "
-                            "written")
-
-
-def _run_converter(script: Path, folder: Path, target: Path, outtype: str, *extra: str) -> None:
+def convert(script: Path, folder: Path, target: Path, outtype: str, *extra: str) -> None:
+    """The folder as a GGUF by llama.cpp's converter (f32, f16, bf16 or q8_0)."""
     result = subprocess.run([sys.executable, str(script), str(folder), "--outfile", str(target), "--outtype", outtype,
                              *extra], capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
         raise UserError(f"--gguf: llama.cpp's converter cannot take this model: {last}; export without --gguf")
+
+
+def quantize(whole: Path, target: Path, gguf_type: str) -> None:
+    """A K-quant of an f32 GGUF, by the bindings."""
+    failed = in_llama_process(_quantize, str(whole), str(target), QUANTIZED_BY_THE_BINDINGS[gguf_type])
+    if failed:
+        raise CommandFailed(f"llama.cpp could not quantize the GGUF to {gguf_type} (status {failed}); nothing was "
+                            "written")
 
 
 @dataclass
@@ -194,8 +190,7 @@ def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, rendere
         except BadRow:
             ours.append(None)  # the template refuses it (Gemma's system turn): no prompt to compare
     prompts = [renderer.prompt_ids([{"role": "user", "content": text}]) for text in PROMPTS]
-    special = sorted(set(tokenizer.all_special_ids) | {i for t, i in tokenizer.get_added_vocab().items()
-                                                       if t in tokenizer.all_special_tokens})
+    special = sorted(set(tokenizer.all_special_ids))
     texts = TOKENIZED + [special_markup(tokenizer.convert_ids_to_tokens(special))]
     runs = [(str(reference), "f32")] + ([(str(gguf), gguf_type)] if gguf != reference else [])
     seen = in_llama_process(_llama_view, runs, sorted(end_ids), special, texts, cases, renderer.template_kwargs,
