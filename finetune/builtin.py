@@ -1,7 +1,7 @@
 """Things the toolkit makes itself, so the quickstart and the tests need no network and no downloads.
 
 - `builtin:tiny-llama`: a small Llama-architecture model (random weights from a fixed seed) with a byte-level tokenizer
-  and a ChatML chat template, written once as an ordinary Hugging Face folder.
+  (one llama.cpp's GGUF converter takes) and a ChatML chat template, written once as an ordinary Hugging Face folder.
 - `builtin:greetings`: a generated chat dataset of three patterns (greet a name, shout a word, repeat a word) whose
   answers copy from the prompt, so a model that learned it answers prompts it never saw.
 - `builtin:unseen-names`: 200 greetings of names that builtin:greetings never has, to evaluate the quickstart on.
@@ -20,10 +20,12 @@ import tempfile
 from pathlib import Path
 
 PREFIX = "builtin:"
-VERSION = 3  # raised whenever what a builtin holds changes, so a folder an older toolkit built is not reused
+VERSION = 4  # raised whenever what a builtin holds changes, so a folder an older toolkit built is not reused
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 TEMPLATE = Path(__file__).parent / "templates" / "chatml.jinja"
 MODEL_TYPE = "llama"  # every builtin model's architecture
+SPACE = "\u2581"  # the token a space becomes, as in SentencePiece
+RESERVED = 4  # 256 bytes, 4 markup tokens and 4 reserved: the 264 embedding rows of the tiny Llama
 
 
 def home() -> Path:
@@ -71,20 +73,29 @@ def _materialize(name: str, builders: dict, what: str) -> Path:
 
 
 def make_tokenizer():
-    """A byte-level tokenizer: every text encodes, one token per byte, plus the chat markup tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer: one token per byte (a space is one token, "▁"), plus the chat markup tokens.
+
+    It is laid out as a Llama 2-style tokenizer (BPE with byte fallback and no merges), the one layout llama.cpp's
+    converter takes without recognizing a known model's vocabulary, so a builtin model also exports to GGUF. Each
+    byte has the id it had in the GPT-2-style byte-level vocabulary of builtin version 3 (printable bytes first), so
+    the quickstart trains exactly as it did."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    order = printable + [byte for byte in range(256) if byte not in printable]
+    vocab = {SPACE if byte == ord(" ") else f"<0x{byte:02X}>": i for i, byte in enumerate(order)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<|begin_of_text|>",
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>"],
+        # the reserved ones fill the vocabulary up to the model's embedding rows, which the converter needs
+        additional_special_tokens=["<|im_start|>"] + [f"<|reserved_{i}|>" for i in range(RESERVED)],
+        add_prefix_space=False,  # llama.cpp would otherwise put a space before the text, as SentencePiece does
     )
     tokenizer.chat_template = TEMPLATE.read_text(encoding="utf-8")
     return tokenizer
@@ -94,7 +105,7 @@ def make_tiny_llama_config(tokenizer, **overrides):
     from transformers import LlamaConfig
 
     settings = dict(
-        vocab_size=(len(tokenizer) + 7) // 8 * 8,
+        vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=3,

@@ -56,19 +56,112 @@ def test_an_f32_gguf_answers_as_the_export_and_a_k_quant_is_reported(greeter, tm
 
 
 def test_a_model_the_converter_cannot_take_is_refused_before_any_work(tmp_path, capsys):
-    """The quickstart's byte-level tokenizer has no pre-tokenizer llama.cpp knows: refused with the converter's
-    reason, before the model is merged or anything is written."""
+    """A byte-level BPE tokenizer whose pre-tokenizer llama.cpp does not know (the builtin models' before they
+    moved to a layout the converter takes): refused with the converter's reason, before the model is merged or
+    anything is written."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from finetune.builtin import TEMPLATE, resolve_model
     from tests.conftest import train_here
 
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model("builtin:tiny-llama"), model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    backend = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                   merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                        eos_token="<|im_end|>", pad_token="<|pad|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = TEMPLATE.read_text()
+    tokenizer.save_pretrained(model)
     run = tmp_path / "run"
-    result = train_here("quickstart", "train.max_steps=1", "train.eval_on_start=false", "data.eval_fraction=0",
-                        f"output_dir={run}")
+    result = train_here("quickstart", f"model.name_or_path={model}", "train.max_steps=1", "train.eval_on_start=false",
+                        "data.eval_fraction=0", "eval.samples=0", f"output_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     code, _, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "gguf"), "--gguf")
     assert code == 2 and err == ("error: --gguf: llama.cpp's converter cannot take this model: NotImplementedError: "
                                  "BPE pre-tokenizer was not recognized - update get_vocab_base_pre(); export without "
                                  "--gguf\n")
-    assert sorted(os.listdir(tmp_path)) == ["run"]
+    assert sorted(os.listdir(tmp_path)) == ["model", "run"]
+
+
+def test_the_quickstart_goes_out_as_a_gguf_and_every_place_renders_its_prompts(quickstart_workspace, tmp_path):
+    """The docs' commands on the README's model: a q8_0 GGUF that passes every check, and `export --check` finding
+    the prompts of training, chat, serve, the vLLM template file, the GGUF and the Modelfile the same; a template
+    changed in the export's tokenizer is found in the three places that read it, with the conversation."""
+    from tests.test_readme import commands, run
+
+    folder = quickstart_workspace.folder
+    export, check = [c for c in commands() if "exports/quickstart-gguf" in c]
+    done = run(export, folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gguf_file = folder / "exports" / "quickstart-gguf" / "model-q8_0.gguf"
+    assert f"gguf: exports/quickstart-gguf/model-q8_0.gguf (checked by llama.cpp: " in done.stdout
+    checked = report(folder / "exports" / "quickstart-gguf")
+    assert (checked["metadata"], checked["tokenization"], checked["template"], checked["problems"]) == ([], [], [], [])
+    f32, q8 = checked["greedy"]
+    assert f32["identical"] == 12 and q8["identical"] + len(q8["divergences"]) == 12 and gguf_file.is_file()
+    modelfile = (folder / "exports" / "quickstart-gguf" / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model-q8_0.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+    parity = run(check, folder)
+    assert parity.returncode == 0, parity.stdout + parity.stderr[-3000:]
+    assert parity.stdout.splitlines() == [
+        "| place | identical |", "|---|---|", "| finetune chat | 5 of 5 |", "| finetune serve | 5 of 5 |",
+        "| vLLM template file | 5 of 5 |", "| GGUF model-q8_0.gguf | 5 of 5 |", "| Modelfile | 4 of 4 |"]
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for item in (folder / "exports" / "quickstart-gguf").iterdir():
+        (changed / item.name).symlink_to(item)
+    template = (changed / "chat_template.jinja").read_text()
+    (changed / "chat_template.jinja").unlink()  # the generation prompt without its newline
+    (changed / "chat_template.jinja").write_text(template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant'"))
+    parity = run(f"finetune export --check {changed}", folder)
+    assert parity.returncode == 1
+    lines = parity.stdout.splitlines()
+    assert lines[2:7] == ["| finetune chat | 0 of 5 |", "| finetune serve | 0 of 5 |", "| vLLM template file | 0 of 5 |",
+                          "| GGUF model-q8_0.gguf | 5 of 5 |", "| Modelfile | 4 of 4 |"]
+    assert "- finetune chat: 'Hello there!': the prompts part at token " in parity.stdout
+
+
+def test_a_rank_stabilized_lora_goes_out_as_a_gguf_adapter_that_answers_as_trained(tmp_path, capsys):
+    """Without --merge, --gguf writes the adapter as a GGUF adapter (convert_lora_to_gguf.py), checked on an f32
+    GGUF of its base: every greedy answer identical. llama.cpp scales an adapter by alpha / r; a rank-stabilized
+    one (alpha / sqrt(r)) answers as trained only with the alpha that gives its scale. No Modelfile: Ollama would
+    need the base as a GGUF. Types the LoRA converter lacks, and DoRA, are refused before any work."""
+    import shutil
+
+    from tests.conftest import train_here
+
+    run = tmp_path / "run"
+    result = train_here("quickstart", "method=lora", "lora.r=16", "lora.use_rslora=true", "train.max_steps=60",
+                        "train.learning_rate=5e-3", "train.eval_on_start=false", "data.eval_fraction=0",
+                        "eval.samples=0", f"output_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    code, out, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "adapter"), "--gguf-type", "f32")
+    assert code == 0, err[-3000:]
+    checked = report(tmp_path / "adapter")
+    assert checked["problems"] == [] and [(g["identical"], g["prompts"]) for g in checked["greedy"]] == [(12, 12)]
+    assert sorted(p.name for p in (tmp_path / "adapter").glob("*.gguf")) == ["adapter-f32.gguf"]
+    assert not (tmp_path / "adapter" / "Modelfile").exists() and "ollama: no Modelfile: Ollama loads a GGUF " in out
+
+    code, _, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "q4"), "--gguf-type", "q4_k_m")
+    assert code == 2 and err == ("error: --gguf-type q4_k_m: choose one of f32, f16, bf16, q8_0; merged (--merge) "
+                                 "also q4_k_m\n")
+    dora = tmp_path / "dora"
+    shutil.copytree(run / "final", dora)
+    settings = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
+    code, _, err = cli_here(capsys, "export", str(dora), "--out", str(tmp_path / "d"), "--gguf")
+    assert code == 2 and err == "error: --gguf: llama.cpp has no DoRA adapters; export it merged (--merge --gguf)\n"
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "dora", "run"]
 
 
 def test_a_stale_template_that_reaches_the_gguf_fails_the_check_and_nothing_is_kept(greeter, tmp_path, monkeypatch):

@@ -183,8 +183,11 @@ def _add_export(commands) -> None:
         "its 16-bit base, with the tokenizer, chat template, generation config and a model card. The export is "
         "reloaded and its logits compared with the trained model's before it is kept.",
     )
-    export.add_argument("path", help="a run's final/ (or the run folder), or a checkpoint-N/")
-    export.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    export.add_argument("path", nargs="?", help="a run's final/ (or the run folder), or a checkpoint-N/")
+    export.add_argument("--out", help="the folder to write (must not exist, or be empty)")
+    export.add_argument("--check", metavar="TARGET",
+                        help="write nothing: compare the prompts of every place TARGET's chat template lives (training, "
+                        "chat, serve, the vLLM template file, its GGUF and Modelfile); exit 1 on a difference")
     export.add_argument("--merge", action="store_true", help="merge the adapter into its base (16-bit, never 4-bit)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                         help="weights of a merged or fully fine-tuned model (default: bf16)")
@@ -192,9 +195,11 @@ def _add_export(commands) -> None:
     export.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this Hub repository")
     export.add_argument("--private", action="store_true", help="create the Hub repository private")
     export.add_argument("--gguf", action="store_true",
-                        help="also write a GGUF of the merged model, checked by llama.cpp (the gguf extra)")
+                        help="also write a GGUF, checked by llama.cpp (the gguf extra): of the merged model with "
+                        "--merge, else the adapter as a GGUF adapter")
     export.add_argument("--gguf-type", choices=GGUF_TYPES,
-                        help="the GGUF's weights (default: --dtype's: bf16, f16 or f32); implies --gguf")
+                        help="the GGUF's weights (default: --dtype's: bf16, f16 or f32; an adapter: not q4_k_m); "
+                        "implies --gguf")
     export.add_argument("--license", help="the card's license id (default: the base model's, when known)")
     export.add_argument("--register", metavar="NAME",
                         help="register the export as a new version of NAME in the MLflow model registry (the "

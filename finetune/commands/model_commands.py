@@ -112,11 +112,26 @@ def chat_command(args) -> int:
         print(flush=True)
 
 
+def _check_parity(args) -> int:
+    from finetune.trained_model import parity
+
+    if args.path or args.out:
+        raise UserError("--check TARGET writes nothing: give it without PATH and --out")
+    _quiet_loading()
+    places = parity.check(args.check)
+    print(parity.table(places))
+    return 1 if any(place.differences for place in places) else 0
+
+
 def export_command(args) -> int:
     from finetune.trained_model import saved_model
     from finetune.trained_model.export import export
     from finetune.trained_model import gguf
 
+    if args.check:
+        return _check_parity(args)
+    if not (args.path and args.out):
+        raise UserError("export needs a PATH and --out DIR (or --check TARGET alone)")
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub REPO, which is missing")
     run = saved_model.locate(args.path).run

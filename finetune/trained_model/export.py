@@ -72,7 +72,7 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
         result = _write_and_check(source, staging, merged, DTYPES[dtype], base_model)
         if gguf_type:
             result.gguf, result.gguf_report = _write_and_check_gguf(source, staging, converter, gguf_type,
-                                                                    result.attention)
+                                                                    result.attention, merged, base_model)
         write_card(source, staging, out.name, merged, DTYPES[dtype], license, result.attention,
                    result.gguf_report)
         if out.exists():
@@ -90,49 +90,94 @@ def export(path, out, merge: bool = False, dtype: str = "bf16", base_model: str 
 
 
 def _check_gguf(source: saved_model.SavedModel, merged: bool, gguf_type: str, base_model: str | None) -> Path:
-    """What a GGUF export needs, found before any work: a whole model, a known type, the pinned llama.cpp, and a
-    model its converter takes; the converter."""
+    """What a GGUF export needs, found before any work: a known type, the pinned llama.cpp, and a model (and
+    adapter) its converters take; the converter."""
     from transformers import AutoConfig
 
-    if gguf_type not in gguf.TYPES:
-        raise UserError(f"--gguf-type {gguf_type}: choose one of {', '.join(gguf.TYPES)}")
-    if not merged:
-        raise UserError("--gguf converts a whole model: add --merge to merge the adapter into its base first")
+    types = gguf.TYPES if merged else gguf.ADAPTER_TYPES
+    if gguf_type not in types:
+        also = "; merged (--merge) also " + ", ".join(sorted(set(gguf.TYPES) - set(types))) if not merged else ""
+        raise UserError(f"--gguf-type {gguf_type}: choose one of {', '.join(types)}{also}")
     script = gguf.converter()
     config = AutoConfig.from_pretrained(source.base_model(base_model) if source.is_adapter else source.path)
-    gguf.convertible(script, config, saved_model.load_tokenizer(source))
+    tokenizer = saved_model.load_tokenizer(source)
+    gguf.convertible(script, config, tokenizer)
+    if not merged:
+        gguf.adapter_convertible(script, source.path, config, tokenizer)
     return script
 
 
 def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script: Path, gguf_type: str,
-                          attention: str | None) -> tuple[Path, dict]:
-    """The checked export as a GGUF in `staging`, and llama.cpp's check of it (gguf-check.json); a check that
-    fails raises, and the export is not kept."""
+                          attention: str | None, merged: bool, base_model: str | None) -> tuple[Path, dict]:
+    """The checked export as a GGUF in `staging` (the whole model, or the adapter as a GGUF adapter), and llama.cpp's
+    check of it (gguf-check.json); a check that fails raises, and the export is not kept."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.render import Renderer
     from finetune.trained_model.chat import configured_end_ids
 
-    target = staging / f"model-{gguf_type}.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(staging)
     with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
-        reference = target if gguf_type == "f32" else Path(scratch) / "model-f32.gguf"
-        gguf.convert(script, staging, reference, "f32")
-        if gguf_type in gguf.QUANTIZED_BY_THE_BINDINGS:
-            gguf.quantize(reference, target, gguf_type)
-        elif gguf_type != "f32":
-            gguf.convert(script, staging, target, gguf_type)
-        model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
-                                                     **({"attn_implementation": attention} if attention else {}))
-        tokenizer = AutoTokenizer.from_pretrained(staging)
+        if merged:
+            target, reference, base_gguf = _convert_model(script, staging, Path(scratch), gguf_type)
+            model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
+                                                         **({"attn_implementation": attention} if attention else {}))
+        else:
+            target, reference, base_gguf, model = _convert_adapter(source, base_model, script, staging,
+                                                                   Path(scratch), gguf_type)
         renderer, end_ids = _renderer(tokenizer, source, Renderer), configured_end_ids(model.generation_config)
-        report = gguf.check(target, gguf_type, reference, model.eval(), tokenizer, renderer, end_ids)
+        report = gguf.check(target, gguf_type, reference, model.eval(), tokenizer, renderer, end_ids, base_gguf)
     found = report.as_dict()
     if report.problems:
         raise CommandFailed("gguf check failed: " + "; ".join(report.problems[:5]) + "; nothing was written")
-    found["ollama"] = _write_modelfile(source, staging, target, tokenizer, renderer, end_ids)
+    found["ollama"] = (_write_modelfile(source, staging, target, tokenizer, renderer, end_ids) if merged else
+                       "no Modelfile: Ollama loads a GGUF adapter on its base as a GGUF (ADAPTER), which an adapter "
+                       "export does not hold; export merged (--merge --gguf) for one")
     (staging / GGUF_REPORT).write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
     return target, found
+
+
+def _convert_model(script: Path, staging: Path, scratch: Path, gguf_type: str) -> tuple[Path, Path, None]:
+    """The export as model-TYPE.gguf in `staging`, and an f32 GGUF to check it against (itself, for f32)."""
+    target = staging / f"model-{gguf_type}.gguf"
+    reference = target if gguf_type == "f32" else scratch / "model-f32.gguf"
+    gguf.convert(script, staging, reference, "f32")
+    if gguf_type in gguf.QUANTIZED_BY_THE_BINDINGS:
+        gguf.quantize(reference, target, gguf_type)
+    elif gguf_type != "f32":
+        gguf.convert(script, staging, target, gguf_type)
+    return target, reference, None
+
+
+def _convert_adapter(source: saved_model.SavedModel, base_model: str | None, script: Path, staging: Path,
+                     scratch: Path, gguf_type: str):
+    """The adapter as adapter-TYPE.gguf in `staging`; an f32 one to check it against; the f32 base GGUF both are
+    checked on (in `scratch`); and the model they are compared with (the base in fp32 with the adapter)."""
+    from peft import PeftModel
+
+    target = staging / f"adapter-{gguf_type}.gguf"
+    reference, base_gguf = target if gguf_type == "f32" else scratch / "adapter-f32.gguf", scratch / "base-f32.gguf"
+    model = _base_with_the_runs_tokenizer(source, base_model, staging, scratch / "base")
+    gguf.convert(script, scratch / "base", base_gguf, "f32")
+    for kind, file in {"f32": reference, gguf_type: target}.items():
+        gguf.convert_adapter(script, staging, scratch / "base", file, kind)
+    return target, reference, base_gguf, PeftModel.from_pretrained(model, staging)
+
+
+def _base_with_the_runs_tokenizer(source: saved_model.SavedModel, base_model: str | None, staging: Path,
+                                  folder: Path):
+    """The base model unquantized in fp32, written to `folder` with the export's tokenizer and generation config
+    (the template the run trained with, its end tokens): the base GGUF an adapter is checked on."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = saved_model.load_base(source, base_model, dtype="float32")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(staging).save_pretrained(folder)
+    model.generation_config = GenerationConfig.from_pretrained(staging)
+    model.generation_config.save_pretrained(folder)
+    return model.to(torch.float32)
 
 
 def _write_modelfile(source: saved_model.SavedModel, staging: Path, gguf_file: Path, tokenizer, renderer,
@@ -144,10 +189,9 @@ def _write_modelfile(source: saved_model.SavedModel, staging: Path, gguf_file: P
         return renderer.render_text({"messages": messages}, add_generation_prompt=True)
 
     try:
-        adds_bos = tokenizer.bos_token and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
         text = ollama.modelfile(gguf_file.name, render, tokenizer.convert_ids_to_tokens(sorted(end_ids)),
                                 source.recipe.data.system_prompt, source.recipe.train_setting("max_length"),
-                                tokenizer.bos_token if adds_bos else "")
+                                tokenizer.bos_token if gguf.adds_bos(tokenizer) else "")
     except ollama.Inexpressible as why:
         return f"no Modelfile: {why}"
     (staging / "Modelfile").write_text(text, encoding="utf-8")

@@ -4,6 +4,7 @@ The converter (convert_hf_to_gguf.py with its conversion/ package and its own gg
 `gguf` of the same version) is not in llama-cpp-python's wheel but in the sdist of the same release: `converter()`
 fetches that sdist once through pip into $FINETUNE_HOME, checks its hash and keeps the converter. $LLAMA_CPP_DIR
 (a llama.cpp checkout) overrides it. K-quants are made by the bindings (llama_model_quantize): no binary is needed.
+A LoRA adapter goes out as a GGUF adapter through convert_lora_to_gguf.py of the same release.
 
 `check()` loads the GGUF with llama.cpp and compares it with the export as transformers loads it: the metadata (the
 chat template byte for byte, BOS and EOS, the end-of-generation and control tokens), tokenization, the embedded
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
+import math
 import os
 import subprocess
 import sys
@@ -28,6 +31,7 @@ PINNED = "0.3.36"  # llama-cpp-python, as the gguf extra pins it
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
+ADAPTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's
 QUANTIZED_BY_THE_BINDINGS = {"q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q4_K_M: made from the f32 GGUF
 OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}  # the type of an export's --dtype
 # A greedy divergence is a failure where the reference was confident: its top-1 logit above its top-2 by more than
@@ -113,13 +117,65 @@ def convertible(script: Path, config, tokenizer) -> None:
         convert(script, Path(scratch), Path(scratch) / "vocab.gguf", "f32", "--vocab-only")
 
 
+def adapter_convertible(script: Path, adapter: Path, config, tokenizer) -> None:
+    """Refuse, before any work, an adapter that llama.cpp's LoRA converter cannot take (its reason)."""
+    settings = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    if settings.get("use_dora"):
+        raise UserError("--gguf: llama.cpp has no DoRA adapters; export it merged (--merge --gguf)")
+    with tempfile.TemporaryDirectory() as scratch:
+        config.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        convert_adapter(script, adapter, Path(scratch), Path(scratch) / "adapter.gguf", "f32", "--dry-run")
+
+
 def convert(script: Path, folder: Path, target: Path, outtype: str, *extra: str) -> None:
-    """The folder as a GGUF by llama.cpp's converter (f32, f16, bf16 or q8_0)."""
-    result = subprocess.run([sys.executable, str(script), str(folder), "--outfile", str(target), "--outtype", outtype,
-                             *extra], capture_output=True, text=True)
+    """The folder as a GGUF by llama.cpp's converter (f32, f16, bf16 or q8_0).
+
+    The converter reads whether the tokenizer adds a BOS from tokenizer_config.json's add_bos_token, which
+    transformers leaves out where it is false; llama.cpp then assumes one for a SentencePiece-style vocabulary (the
+    builtin models'), and a runtime would put a second BOS before a template that writes it. So the converter reads
+    the folder through a view of links whose tokenizer_config.json says what the tokenizer does."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        view = Path(scratch)
+        for item in folder.iterdir():
+            (view / item.name).symlink_to(item.resolve())
+        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if "add_bos_token" not in settings:
+            settings["add_bos_token"] = adds_bos(AutoTokenizer.from_pretrained(folder))
+            (view / "tokenizer_config.json").unlink()
+            (view / "tokenizer_config.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+        _run_converter([str(script), str(view)], target, outtype, extra, "this model")
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS before a text itself (so a runtime does, and a template must not)."""
+    return tokenizer.bos_token is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def convert_adapter(script: Path, adapter: Path, base: Path, target: Path, outtype: str, *extra: str) -> None:
+    """A PEFT LoRA adapter as a GGUF adapter; `base` holds the base model's config.json.
+
+    llama.cpp scales an adapter by lora_alpha / r; a rank-stabilized one (alpha / sqrt(r)) goes out with the
+    lora_alpha that gives its scale."""
+    with tempfile.TemporaryDirectory() as scratch:
+        settings = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        if settings.get("use_rslora"):
+            settings["lora_alpha"] = settings["lora_alpha"] * math.sqrt(settings["r"])
+        (Path(scratch) / "adapter_config.json").write_text(json.dumps(settings), encoding="utf-8")
+        (Path(scratch) / "adapter_model.safetensors").symlink_to((adapter / "adapter_model.safetensors").resolve())
+        _run_converter([str(script.parent / "convert_lora_to_gguf.py"), scratch, "--base", str(base)], target,
+                       outtype, extra, "this adapter")
+
+
+def _run_converter(command: list[str], target: Path, outtype: str, extra, what: str) -> None:
+    result = subprocess.run([sys.executable, *command, "--outfile", str(target), "--outtype", outtype, *extra],
+                            capture_output=True, text=True)
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        raise UserError(f"--gguf: llama.cpp's converter cannot take this model: {last}; export without --gguf")
+        lines = [line for line in result.stderr.strip().splitlines() if "ERROR" in line] or \
+            result.stderr.strip().splitlines() or [f"exit status {result.returncode}"]
+        raise UserError(f"--gguf: llama.cpp's converter cannot take {what}: {lines[-1]}; export without --gguf")
 
 
 def quantize(whole: Path, target: Path, gguf_type: str) -> None:
@@ -174,15 +230,15 @@ class Report:
         return {**asdict(self), "problems": self.problems}
 
 
-def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, renderer, end_ids: set[int]) -> Report:
+def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, renderer, end_ids: set[int],
+          base: Path | None = None) -> Report:
     """llama.cpp's view of the GGUF against `model` (the export as transformers loads it, in fp32). `reference`:
-    an f32 GGUF of the same export, for greedy parity with an f32 KV cache; `gguf` is the chosen type. llama.cpp
-    runs in a process of its own (in_llama_process)."""
+    an f32 GGUF of the same export, for greedy parity with an f32 KV cache; `gguf` is the chosen type. With `base`
+    (an f32 GGUF of the base model, with the run's tokenizer), both are GGUF adapters loaded on it. llama.cpp runs
+    in a process of its own (in_llama_process)."""
     from finetune.data.formats import BadRow
 
-    cases = [(conversation, None) for conversation in CONVERSATIONS]
-    if "tools" in (renderer.template or ""):
-        cases.append((CONVERSATIONS[0], TOOLS))
+    cases = conversations(renderer.template)
     ours = []
     for messages, tools in cases:
         try:
@@ -193,6 +249,10 @@ def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, rendere
     special = sorted(set(tokenizer.all_special_ids))
     texts = TOKENIZED + [special_markup(tokenizer.convert_ids_to_tokens(special))]
     runs = [(str(reference), "f32")] + ([(str(gguf), gguf_type)] if gguf != reference else [])
+    if base:
+        runs = [(str(base), kind, adapter) for adapter, kind in runs]
+    else:
+        runs = [(model_file, kind, None) for model_file, kind in runs]
     seen = in_llama_process(_llama_view, runs, sorted(end_ids), special, texts, cases, renderer.template_kwargs,
                             prompts)
 
@@ -203,6 +263,9 @@ def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, rendere
         mine = getattr(tokenizer, f"{what.lower()}_token_id")
         if mine is not None and mine != theirs:
             report.metadata.append(f"{what} is token {theirs} in the GGUF and {mine} in the tokenizer")
+    if seen["add_bos"] != adds_bos(tokenizer):
+        report.metadata.append(f"llama.cpp {'adds' if seen['add_bos'] else 'does not add'} a BOS before a prompt and "
+                               f"the tokenizer {'does' if adds_bos(tokenizer) else 'does not'}")
     if seen["not_eog"]:
         report.metadata.append(f"llama.cpp would not stop at {tokenizer.convert_ids_to_tokens(seen['not_eog'])} "
                                "(not end-of-generation tokens in the GGUF)")
@@ -218,15 +281,51 @@ def check(gguf: Path, gguf_type: str, reference: Path, model, tokenizer, rendere
         if mine is None:
             continue
         if isinstance(theirs, str):
-            report.template.append(f"llama.cpp's formatter fails on {said}: {theirs}")
+            report.template.append(f"{said}: {theirs}")
         elif theirs[:2] == [seen["bos"]] * 2:
             report.template.append(f"a doubled BOS in llama.cpp's prompt for {said}")
         elif theirs != mine:
             report.template.append(f"llama.cpp's prompt for {said} differs from training's")
     expected = _transformers_greedy(model, prompts, end_ids)
-    for (_, kind), answers in zip(runs, seen["greedy"]):
+    for (_, kind, _), answers in zip(runs, seen["greedy"]):
         report.greedy.append(_parity(kind, "f32" if kind == "f32" else "f16", answers, expected, tokenizer))
     return report
+
+
+def conversations(template: str | None) -> list[tuple[list[dict], list[dict] | None]]:
+    """The conversations a template is checked on (messages, tools): one with tools where it has them."""
+    return [(conversation, None) for conversation in CONVERSATIONS] + (
+        [(CONVERSATIONS[0], TOOLS)] if "tools" in (template or "") else [])
+
+
+def formatted(model: Path, cases, variables: dict) -> list[list[int] | str]:
+    """The GGUF's embedded template through llama-cpp-python's formatter, tokenized by llama.cpp as its chat
+    completion does, for each (messages, tools); why, where the formatter fails."""
+    return in_llama_process(_formatted_here, str(model), cases, variables)
+
+
+def _formatted_here(model: str, cases, variables: dict) -> list[list[int] | str]:
+    import llama_cpp
+
+    return _formatted(llama_cpp.Llama(model, vocab_only=True, verbose=False), cases, variables)
+
+
+def _formatted(llm, cases, variables: dict) -> list[list[int] | str]:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    eos, bos = (llm.detokenize([token], special=True).decode("utf-8") if token != -1 else ""
+                for token in (llm.token_eos(), llm.token_bos()))
+    formatter = Jinja2ChatFormatter(llm.metadata.get("tokenizer.chat_template") or "", eos, bos)
+    variables = dict(variables)
+    formatter.strftime_now = variables.pop("strftime_now")  # the training date, not today's
+    prompts = []
+    for messages, tools in cases:
+        try:
+            prompt = formatter(messages=messages, tools=tools, **variables).prompt
+            prompts.append(llm.tokenize(prompt.encode(), add_bos=False, special=True))
+        except Exception as error:  # the template's raise_exception, or Jinja that llama.cpp's lacks
+            prompts.append(f"llama.cpp's formatter fails: {type(error).__name__}: {error}")
+    return prompts
 
 
 def special_markup(tokens: list[str]) -> str:
@@ -247,15 +346,32 @@ def in_llama_process(function, *args):
         except concurrent.futures.process.BrokenProcessPool:
             raise CommandFailed("gguf check failed: llama.cpp crashed loading or running the GGUF; nothing was "
                                 "written") from None
+        except (ValueError, RuntimeError) as error:  # what llama-cpp-python raises when llama.cpp refuses
+            raise CommandFailed(f"gguf check failed: {error}; nothing was written") from None
+
+
+_LLAMA_ERRORS: list[str] = []  # llama.cpp's error log lines, in its own process
+_keep_errors = None  # the log callback that appends them: llama.cpp holds a C pointer to it
 
 
 def _llama_process() -> None:
-    """llama.cpp's log to nowhere, and weights used as stored: llama-cpp-python's Llama has no setting for
+    """llama.cpp's log to nowhere but its errors (kept to say why a GGUF did not load), and weights used as
+    stored: llama-cpp-python's Llama has no setting for
     use_extra_bufts, so its default model parameters are wrapped (the one use of its internals). The extra buffer
     types repack weights for the CPU's kernels, and 0.3.36's AMX matrix product crashed on every quantized GGUF
     on this Sapphire Rapids machine; the check compares numbers, not speed."""
+    import ctypes
+
     import llama_cpp.llama
 
+    @llama_cpp.llama_log_callback
+    def keep_errors(level: int, text: bytes, _) -> None:
+        if level == 3:  # GGML_LOG_LEVEL_ERROR
+            _LLAMA_ERRORS.append(text.decode("utf-8", errors="replace").strip())
+
+    global _keep_errors
+    _keep_errors = keep_errors
+    llama_cpp.llama_log_set(keep_errors, ctypes.c_void_p(0))
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 2)
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
@@ -277,34 +393,27 @@ def _quantize(whole: str, target: str, ftype: int) -> int:
     return llama_cpp.llama_model_quantize(whole.encode(), target.encode(), settings)
 
 
-def _llama_view(runs: list[tuple[str, str]], end_ids: list[int], special: list[int], texts: list[str], cases,
-                variables: dict, prompts: list[list[int]]) -> dict:
+def _llama_view(runs: list[tuple[str, str, str | None]], end_ids: list[int], special: list[int], texts: list[str],
+                cases, variables: dict, prompts: list[list[int]]) -> dict:
     """What llama.cpp sees in the GGUFs (in its own process): the first's metadata, tokenization and formatted
-    prompts (as its chat completion tokenizes them); each one's greedy answers."""
+    prompts (as its chat completion tokenizes them); each one's greedy answers (a model, its type, an adapter)."""
     import llama_cpp
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     seen = {"greedy": []}
-    for path, kind in runs:
+    for path, kind, adapter in runs:
         f32 = kind == "f32"
-        llm = llama_cpp.Llama(path, n_ctx=512, verbose=False, n_threads=os.cpu_count(), logits_all=True,
-                              **({"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32 else {}))
+        try:
+            llm = llama_cpp.Llama(path, lora_path=adapter, n_ctx=512, verbose=False, n_threads=os.cpu_count(),
+                                  logits_all=True, **({"type_k": llama_cpp.GGML_TYPE_F32,
+                                                       "type_v": llama_cpp.GGML_TYPE_F32} if f32 else {}))
+        except ValueError:
+            raise ValueError(f"llama.cpp could not load {Path(adapter or path).name}: "
+                             f"{_LLAMA_ERRORS[-1] if _LLAMA_ERRORS else 'no reason logged'}") from None
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         if not seen.get("formatted"):
-            eos, bos = (llm.detokenize([token], special=True).decode("utf-8") if token != -1 else ""
-                        for token in (llm.token_eos(), llm.token_bos()))
-            template = llm.metadata.get("tokenizer.chat_template")
-            formatter = Jinja2ChatFormatter(template or "", eos, bos)
-            formatter.strftime_now = variables.pop("strftime_now")  # the training date, not today's
-            formatted = []
-            for messages, tools in cases:
-                try:
-                    prompt = formatter(messages=messages, tools=tools, **variables).prompt
-                    formatted.append(llm.tokenize(prompt.encode(), add_bos=False, special=True))
-                except Exception as error:  # the template's raise_exception, or Jinja that llama.cpp's lacks
-                    formatted.append(f"{type(error).__name__}: {error}")
             seen.update(
-                template=template, bos=llm.token_bos(), eos=llm.token_eos(), formatted=formatted,
+                template=llm.metadata.get("tokenizer.chat_template"), bos=llm.token_bos(), eos=llm.token_eos(),
+                add_bos=llama_cpp.llama_vocab_get_add_bos(vocab), formatted=_formatted(llm, cases, variables),
                 not_eog=[i for i in end_ids if not llama_cpp.llama_vocab_is_eog(vocab, i)],
                 not_control=[i for i in special
                              if not llama_cpp.llama_vocab_get_attr(vocab, i) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL],
