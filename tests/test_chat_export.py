@@ -349,9 +349,6 @@ def test_export_refusals_leave_nothing(trained, tmp_path, capsys, monkeypatch):
     code, _, err = cli_here(capsys, "export", str(final), "--out", str(taken))
     assert code == 2 and "not empty" in err and os.listdir(taken) == ["keep.txt"]
 
-    code, _, err = cli_here(capsys, "export", str(final), "--out", str(tmp_path / "gguf"), "--gguf")
-    assert code == 2 and err == "error: --gguf converts a whole model: add --merge to merge the adapter into its " \
-                                "base first\n"
     import importlib.metadata
 
     def not_installed(name):
@@ -506,3 +503,24 @@ def test_chat_and_export_of_a_run_logged_to_a_backend_missing_here(trained, tmp_
     assert code == 0 and out.strip(), err[-2000:]
     code, _, err = cli_here(capsys, "export", str(copy), "--out", str(tmp_path / "out"))
     assert code == 0, err[-2000:]
+
+
+def test_a_run_trained_with_a_system_prompt_gets_it_in_every_place_its_template_lives(tmp_path, capsys):
+    """Training put data.system_prompt first in every row without one: `finetune chat`, `finetune serve` and the
+    vLLM template file do too, so `export --check` finds every place's prompts identical to training's (it found
+    chat, serve and the vLLM file without it before). The check writes nothing."""
+    from finetune.trained_model.chat import Chat
+
+    run = tmp_path / "run"
+    result = train_here("quickstart", "data.system_prompt=Answer in one line, \"kindly\".", "train.max_steps=1",
+                        "train.eval_on_start=false", "data.eval_fraction=0", "eval.samples=0", f"output_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    code, out, err = cli_here(capsys, "export", "--check", str(run))
+    assert (code, err) == (0, ""), out
+    assert out.splitlines() == ["| place | identical |", "|---|---|", "| finetune chat | 5 of 5 |",
+                                "| finetune serve | 5 of 5 |", "| vLLM template file | 5 of 5 |",
+                                "| GGUF | no GGUF model in the target |", "| Modelfile | no Modelfile in the target |"]
+    chat = Chat(run)
+    prompt = chat.tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "Hi"}]))
+    assert prompt.startswith('<|begin_of_text|><|im_start|>system\nAnswer in one line, "kindly".<|im_end|>\n')
+    assert sorted(os.listdir(tmp_path)) == ["run"]

@@ -128,9 +128,15 @@ def prompt(messages: Any, tools: Any = None) -> dict[str, Any]:
             "tools": _tools(tools)}
 
 
+def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """The messages with the recipe's system prompt first, where they have none (as every training row has it)."""
+    if system_prompt and messages and messages[0]["role"] not in ("system", "developer"):
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
 def _conversation(example: dict[str, Any], system_prompt: str | None, thinking_marker: str | None) -> dict[str, Any]:
-    if system_prompt and example["messages"][0]["role"] not in ("system", "developer"):
-        example["messages"].insert(0, {"role": "system", "content": system_prompt})
+    example["messages"] = with_system_prompt(example["messages"], system_prompt)
     if thinking_marker:
         example["messages"] = [_split_thinking(m, thinking_marker) for m in example["messages"]]
     if not any(m["role"] == "assistant" and m.get("train", True) for m in example["messages"]):

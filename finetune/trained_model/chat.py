@@ -63,30 +63,26 @@ class Chat:
         self.folder = saved_model.locate(path)
         tokenizer = saved_model.load_tokenizer(self.folder)
         load = saved_model.load_original if base else saved_model.load_model
-        self._bind(load(self.folder, base_model), tokenizer, renderer_of(self.folder, tokenizer))
+        self._bind(load(self.folder, base_model), tokenizer, renderer_of(self.folder, tokenizer),
+                   self.folder.recipe.data.system_prompt)
 
     @classmethod
-    def of(cls, model, tokenizer, renderer) -> "Chat":
+    def of(cls, model, tokenizer, renderer, system_prompt: str | None = None) -> "Chat":
         """A Chat with a model that is loaded already (the one being trained, for samples during training)."""
         chat = cls.__new__(cls)
         chat.folder = None
         chat._bind(model, tokenizer, renderer)
         return chat
 
-    def _bind(self, model, tokenizer, renderer) -> None:
-        self.model, self.tokenizer, self.renderer = model, tokenizer, renderer
+    def _bind(self, model, tokenizer, renderer, system_prompt: str | None = None) -> None:
+        self.model, self.tokenizer, self.renderer, self.system_prompt = model, tokenizer, renderer, system_prompt
         self.harmony = "<|channel|>" in tokenizer.get_vocab()
         self.think_blocks = renderer.template is not None and "<think>" in renderer.template
         self.end_ids = end_token_ids(tokenizer, renderer) | configured_end_ids(model.generation_config)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, continuing: bool = False) -> list[int]:
         """The prompt for the model's turn; `continuing`: the last (assistant) message is the answer's start."""
-        from finetune.data.formats import BadRow
-
-        try:
-            return self.renderer.prompt_ids(messages, tools, continuing)
-        except BadRow as error:
-            raise UserError(f"the conversation cannot be rendered: {error}") from None
+        return prompt(self.renderer, self.system_prompt, messages, tools, continuing)
 
     def stream(self, messages: list[dict], sampling: Sampling = Sampling()) -> Iterator[Piece | Reply]:
         """Pieces of the reply as they are generated, then the whole Reply."""
@@ -212,6 +208,17 @@ class Chat:
             channels = re.findall(r"<\|channel\|>(\w+)", self._text(generated, special=True))
             return last if channels and channels[-1] == "final" else None
         return None
+
+
+def prompt(renderer, system_prompt: str | None, messages: list[dict], tools: list[dict] | None = None,
+           continuing: bool = False) -> list[int]:
+    """A conversation's prompt as training rendered its rows: the recipe's system prompt first where it has none."""
+    from finetune.data.formats import BadRow, with_system_prompt
+
+    try:
+        return renderer.prompt_ids(with_system_prompt(messages, system_prompt), tools, continuing)
+    except BadRow as error:
+        raise UserError(f"the conversation cannot be rendered: {error}") from None
 
 
 def renderer_of(folder, tokenizer):

@@ -36,7 +36,7 @@ class Place:
 def check(target) -> list[Place]:
     from finetune.data.render import Renderer
     from finetune.models.loading import load_tokenizer
-    from finetune.trained_model.chat import renderer_of
+    from finetune.trained_model.chat import prompt, renderer_of
 
     folder = saved_model.locate(target)
     data = folder.recipe.data
@@ -46,16 +46,19 @@ def check(target) -> list[Place]:
     if training.template is None:
         raise UserError(f"{target}: the model has no chat template, so there is no template to compare")
     cases = gguf.conversations(training.template)
-    expected = [_rendered(lambda: training.prompt_ids(_as_trained(messages, data.system_prompt), tools))
+    expected = [_rendered(lambda: training.prompt_ids(formats.with_system_prompt(messages, data.system_prompt), tools))
                 for messages, tools in cases]
     saved = saved_model.load_tokenizer(folder)
-    chat = renderer_of(folder, saved)
+    renderer = renderer_of(folder, saved)
+
+    def chatted(messages, tools):
+        return prompt(renderer, data.system_prompt, messages, tools)
 
     def served(messages, tools):
         request = formats.prompt(messages, tools)
-        return chat.prompt_ids(request["messages"], request["tools"])
+        return prompt(renderer, data.system_prompt, request["messages"], request["tools"])
 
-    places = [_compare("finetune chat", cases, expected, chat.prompt_ids),
+    places = [_compare("finetune chat", cases, expected, chatted),
               _compare("finetune serve", cases, expected, served),
               _compare("vLLM template file", cases, expected, _vllm(folder, saved))]
     models = sorted(folder.path.glob("model-*.gguf"))
@@ -65,12 +68,6 @@ def check(target) -> list[Place]:
                                                                 else ""))]
     places.append(_compare_modelfile(folder.path / "Modelfile", cases, training, saved, data.system_prompt))
     return places
-
-
-def _as_trained(messages: list[dict], system_prompt: str | None) -> list[dict]:
-    if system_prompt and messages[0]["role"] not in ("system", "developer"):
-        return [{"role": "system", "content": system_prompt}, *messages]
-    return messages
 
 
 def _rendered(render):
@@ -142,12 +139,12 @@ def _compare_modelfile(path: Path, cases, training, tokenizer, system_prompt: st
         if tools:
             continue  # the Modelfile's template carries no tools (docs/chat-and-export.md)
         try:
-            reference = training.render_text({"messages": _as_trained(messages, system_prompt)},
+            reference = training.render_text({"messages": formats.with_system_prompt(messages, system_prompt)},
                                              add_generation_prompt=True)
         except formats.BadRow:
             continue  # a conversation the training template refuses (the Modelfile was refused for such templates)
         place.compared += 1
-        got = ollama.render_go(template.group(1), _as_trained(messages, system and system.group(1)))
+        got = ollama.render_go(template.group(1), formats.with_system_prompt(messages, system and system.group(1)))
         if got != reference.removeprefix(added_bos):
             place.differences.append(f"{messages[-1]['content']!r}: training renders {reference!r}, the Modelfile "
                                      f"{got!r}")

@@ -428,7 +428,7 @@ def load_served(targets) -> dict[str, Served]:
         for name, adapter in loaded.adapters.items():
             folder = by_name[name].folder
             tokenizer = saved_model.load_tokenizer(folder)
-            chat = Chat.of(loaded.model, tokenizer, renderer_of(folder, tokenizer))
+            chat = Chat.of(loaded.model, tokenizer, renderer_of(folder, tokenizer), folder.recipe.data.system_prompt)
             if batcher is None:
                 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(chat.end_ids)
                 batcher = Batcher(loaded.model, pad, loaded.has_adapters)

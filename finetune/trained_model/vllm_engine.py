@@ -34,7 +34,8 @@ def vllm_command(targets, host: str, port: int, template_file: Path) -> list[str
     model = first.folder.base_model() if first.shares_base else str(first.folder.path)
     tokenizer = saved_model.load_tokenizer(first.folder)
     data = first.folder.recipe.data
-    template_file.write_text(dated_template(tokenizer.chat_template, data.template_date), encoding="utf-8")
+    template_file.write_text(with_system_prompt(dated_template(tokenizer.chat_template, data.template_date),
+                                                data.system_prompt), encoding="utf-8")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", itself[0].name if itself else f"{first.name}-base",
                "--host", host, "--port", str(port), "--chat-template", str(template_file),
@@ -63,6 +64,15 @@ def dated_template(template: str, template_date: str) -> str:
     branches = "".join(f"{{%- {'if' if i == 0 else 'elif'} format == {json.dumps(f)} %}}{fixed.strftime(f)}"
                        for i, f in enumerate(formats))
     return f"{{%- macro strftime_now(format) %}}{branches}{{%- endif %}}{{%- endmacro %}}{template}"
+
+
+def with_system_prompt(template: str, system_prompt: str | None) -> str:
+    """The template putting the recipe's system prompt first where a conversation has none, as training did (vLLM
+    renders the request's messages as they come)."""
+    if not system_prompt:
+        return template
+    return ("{%- if messages and messages[0]['role'] not in ['system', 'developer'] %}{%- set messages = "
+            f"[{{'role': 'system', 'content': {json.dumps(system_prompt)}}}] + messages %}}{{%- endif %}}{template}")
 
 
 def serve(arguments: list[str], host: str, port: int, api_key: str | None) -> int:
