@@ -523,4 +523,10 @@ def test_a_run_trained_with_a_system_prompt_gets_it_in_every_place_its_template_
     chat = Chat(run)
     prompt = chat.tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "Hi"}]))
     assert prompt.startswith('<|begin_of_text|><|im_start|>system\nAnswer in one line, "kindly".<|im_end|>\n')
+    from finetune.trained_model.served_models import parse_targets
+    from finetune.trained_model.server import load_served
+
+    [served] = load_served(parse_targets([str(run)])).values()  # the chat the server answers requests with
+    assert served.chat.prompt_ids([{"role": "user", "content": "Hi"}]) == chat.prompt_ids([{"role": "user",
+                                                                                            "content": "Hi"}])
     assert sorted(os.listdir(tmp_path)) == ["run"]

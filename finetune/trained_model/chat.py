@@ -71,7 +71,7 @@ class Chat:
         """A Chat with a model that is loaded already (the one being trained, for samples during training)."""
         chat = cls.__new__(cls)
         chat.folder = None
-        chat._bind(model, tokenizer, renderer)
+        chat._bind(model, tokenizer, renderer, system_prompt)
         return chat
 
     def _bind(self, model, tokenizer, renderer, system_prompt: str | None = None) -> None:

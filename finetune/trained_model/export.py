@@ -124,7 +124,7 @@ def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script:
             model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
                                                          **({"attn_implementation": attention} if attention else {}))
         else:
-            target, reference, base_gguf, model = _convert_adapter(source, base_model, script, staging,
+            target, reference, base_gguf, model = _convert_adapter(source, base_model, script, staging, tokenizer,
                                                                    Path(scratch), gguf_type)
         renderer, end_ids = _renderer(tokenizer, source, Renderer), configured_end_ids(model.generation_config)
         report = gguf.check(target, gguf_type, reference, model.eval(), tokenizer, renderer, end_ids, base_gguf)
@@ -150,7 +150,7 @@ def _convert_model(script: Path, staging: Path, scratch: Path, gguf_type: str) -
     return target, reference, None
 
 
-def _convert_adapter(source: saved_model.SavedModel, base_model: str | None, script: Path, staging: Path,
+def _convert_adapter(source: saved_model.SavedModel, base_model: str | None, script: Path, staging: Path, tokenizer,
                      scratch: Path, gguf_type: str):
     """The adapter as adapter-TYPE.gguf in `staging`; an f32 one to check it against; the f32 base GGUF both are
     checked on (in `scratch`); and the model they are compared with (the base in fp32 with the adapter)."""
@@ -158,23 +158,23 @@ def _convert_adapter(source: saved_model.SavedModel, base_model: str | None, scr
 
     target = staging / f"adapter-{gguf_type}.gguf"
     reference, base_gguf = target if gguf_type == "f32" else scratch / "adapter-f32.gguf", scratch / "base-f32.gguf"
-    model = _base_with_the_runs_tokenizer(source, base_model, staging, scratch / "base")
+    model = _base_with_the_runs_tokenizer(source, base_model, staging, tokenizer, scratch / "base")
     gguf.convert(script, scratch / "base", base_gguf, "f32")
     for kind, file in {"f32": reference, gguf_type: target}.items():
         gguf.convert_adapter(script, staging, scratch / "base", file, kind)
     return target, reference, base_gguf, PeftModel.from_pretrained(model, staging)
 
 
-def _base_with_the_runs_tokenizer(source: saved_model.SavedModel, base_model: str | None, staging: Path,
+def _base_with_the_runs_tokenizer(source: saved_model.SavedModel, base_model: str | None, staging: Path, tokenizer,
                                   folder: Path):
     """The base model unquantized in fp32, written to `folder` with the export's tokenizer and generation config
     (the template the run trained with, its end tokens): the base GGUF an adapter is checked on."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     model = saved_model.load_base(source, base_model, dtype="float32")
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(staging).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     model.generation_config = GenerationConfig.from_pretrained(staging)
     model.generation_config.save_pretrained(folder)
     return model.to(torch.float32)

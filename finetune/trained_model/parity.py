@@ -58,11 +58,12 @@ def check(target) -> list[Place]:
         request = formats.prompt(messages, tools)
         return prompt(renderer, data.system_prompt, request["messages"], request["tools"])
 
-    places = [_compare("finetune chat", cases, expected, chatted),
-              _compare("finetune serve", cases, expected, served),
-              _compare("vLLM template file", cases, expected, _vllm(folder, saved))]
+    vllm = _vllm(folder, saved)
+    places = [_compare(name, cases, expected, [_rendered(lambda: render(messages, tools)) for messages, tools in cases])
+              for name, render in (("finetune chat", chatted), ("finetune serve", served), ("vLLM template file", vllm))]
     models = sorted(folder.path.glob("model-*.gguf"))
-    places += [_compare_gguf(model, cases, expected, training) for model in models] or [
+    places += [_compare(f"GGUF {model.name}", cases, expected, gguf.formatted(model, cases, training.template_kwargs))
+               for model in models] or [
         Place("GGUF", skipped="no GGUF model in the target" + (" (an adapter GGUF holds no template: its base GGUF "
                                                                  "does)" if any(folder.path.glob("adapter-*.gguf"))
                                                                 else ""))]
@@ -78,11 +79,10 @@ def _rendered(render):
         return f"refused: {error}"
 
 
-def _compare(name: str, cases, expected, render) -> Place:
-    place = Place(name)
-    for (messages, tools), reference in zip(cases, expected):
-        got = _rendered(lambda: render(messages, tools))
-        place.compared += 1
+def _compare(name: str, cases, expected, prompts) -> Place:
+    """`prompts`: what the place renders for each case (token ids, or why it could not)."""
+    place = Place(name, compared=len(cases))
+    for (messages, tools), reference, got in zip(cases, expected, prompts):
         if got != reference:
             place.differences.append(_difference(messages, tools, reference, got))
     return place
@@ -114,16 +114,6 @@ def _vllm(folder: saved_model.SavedModel, tokenizer):
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # vLLM's chat default
 
     return render
-
-
-def _compare_gguf(model: Path, cases, expected, training) -> Place:
-    place = Place(f"GGUF {model.name}")
-    formatted = gguf.formatted(model, cases, training.template_kwargs)
-    for (messages, tools), reference, theirs in zip(cases, expected, formatted):
-        place.compared += 1
-        if theirs != reference:
-            place.differences.append(_difference(messages, tools, reference, theirs))
-    return place
 
 
 def _compare_modelfile(path: Path, cases, training, tokenizer, system_prompt: str | None) -> Place:
