@@ -8,7 +8,7 @@ import re
 import pytest
 
 from finetune.data import encoding, pipeline
-from finetune.data.pipeline import prepare
+from finetune.data.pipeline import prepare, prepare_into
 from finetune.errors import UserError
 from finetune.recipe.schema import load_recipe
 from tests.conftest import asset, write_recipe
@@ -142,8 +142,7 @@ def test_parallel_preparation_is_the_same_and_says_how_far_it_is(tmp_path, monke
     for processes in (1, 2):
         recipe = recipe_for(tmp_path, data, f"data.num_proc={processes}", "train.max_length=512",
                             "train.packing=false", "data.eval_fraction=0.1")
-        monkeypatch.setattr(pipeline, "_cache_key", lambda *args, p=processes: f"parallel-{p}")
-        prepared[processes] = prepare(recipe, llama_tokenizer, template)
+        prepared[processes] = prepare_into(recipe, llama_tokenizer, template, str(tmp_path / f"parallel-{processes}"))[0]
     one, two = prepared[1], prepared[2]
     assert one.report == two.report and len(one.train) == 2250 and len(one.eval) == 250
     assert one.train["input_ids"] == two.train["input_ids"] and one.train["labels"] == two.train["labels"]
@@ -195,11 +194,13 @@ def test_mixture_entries_are_checked(tmp_path, entry, message):
 def test_the_data_cache_key_changes_with_the_trl_version(monkeypatch, tmp_path, builtin_tokenizer):
     import importlib.metadata
 
-    from finetune.data import pipeline, sources
+    from finetune.data import prepared_folder, sources
 
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")
-    key = lambda: pipeline._cache_key([sources.resolve(str(data), "data.train")], [], {}, builtin_tokenizer, None)
+    recipe = recipe_for(tmp_path, data)
+    key = lambda: prepared_folder.key_of(prepared_folder.inputs_of(
+        recipe, builtin_tokenizer, None, [sources.resolve(str(data), "data.train")], []))
     before = key()
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",

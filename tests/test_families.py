@@ -133,14 +133,16 @@ def test_each_family_trains_its_real_modules_answers_and_exports_merged(greeters
     assert reply.thinking == ("Greet." if family == "qwen3" else "")  # the only template here with a place for it
     code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "adapter"))
     assert code == 0 and "checked: " in printed, err[-3000:]
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == \
-        adapter["target_modules"]
-    real_tokenizer = family.startswith("qwen")  # the stand-ins are no vocabulary llama.cpp's converter should take
+    exported = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(exported) == sorted(adapter["target_modules"])  # PEFT writes a set: its order is the hash seed's
+    # The stand-ins are no vocabulary llama.cpp's converter should take; of the two Qwens (one tokenizer, the same
+    # converter code), Qwen 3's template is the harder one for llama.cpp's formatter (reasoning, tools).
+    gguf = family == "qwen3"
     code, printed, err = cli_here(capsys, "export", str(run / "final"), "--out", str(tmp_path / "merged"), "--merge",
-                                  "--dtype", "fp32", *(["--gguf"] if real_tokenizer else []))
+                                  "--dtype", "fp32", *(["--gguf"] if gguf else []))
     assert code == 0, err[-3000:]
     assert "checked: " in printed, printed
-    if real_tokenizer:  # llama.cpp answers as trained (an f32 GGUF): its template (tools), tokens and end of turn
+    if gguf:  # llama.cpp answers as trained (an f32 GGUF): its template (tools), tokens and end of turn
         assert "greedy answers 12 of 12 identical (f32, f32 KV cache)" in printed, printed
     loading = ', attn_implementation="eager")' if family == "gemma2" else '"auto")\n'  # sdpa ignores its cap
     assert loading in (tmp_path / "merged" / "README.md").read_text()

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_validate, _add_estimate, _add_doctor, _add_chat, _add_serve, _add_export, _add_eval,
+    for add in (_add_train, _add_validate, _add_prepare, _add_estimate, _add_doctor, _add_chat, _add_serve, _add_export, _add_eval,
                 _add_ui):
         add(commands)
     return parser
@@ -107,6 +107,18 @@ def _add_validate(commands) -> None:
         "Check a recipe and its data, print the resolved configuration and a data report (rows, token lengths, "
         "truncation, tokens that carry loss, one rendered example).",
     )
+
+
+def _add_prepare(commands) -> None:
+    prepare = _recipe_command(
+        commands, "prepare", prepare_command,
+        "render, mask, tokenize and pack a recipe's data once, into Arrow shards that training reads",
+        "Prepare a recipe's data (every format and mixture train reads) into a folder of Arrow shards, on all "
+        "cores, in memory that does not grow with the data. Train from it with data.prepared=DIR; a second prepare "
+        "of the same inputs does nothing.",
+    )
+    prepare.add_argument("--out", metavar="DIR", help="the folder (or an fsspec URL: s3://, gs://, ...) to write; "
+                         "default: data.prepared, else the cache that train reads")
 
 
 def _add_estimate(commands) -> None:
@@ -300,6 +312,23 @@ def validate_command(args) -> int:
     print(f"Recipe (resolved)\n{_indent(recipe.to_yaml())}")
     print(describe_data(report))
     print("OK: the recipe and its data are valid.")
+    return 0
+
+
+def prepare_command(args) -> int:
+    from finetune.data.pipeline import prepare_into
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.schema import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = load_tokenizer(recipe)
+    data, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, args.out or recipe.data.prepared)
+    rows = data.report["rows"]
+    tokens = data.report["train"]["tokens"] + (data.report["eval"]["tokens"] if rows["eval"] else 0)
+    done = "prepared" if made else "already prepared from the same inputs, nothing to do"
+    print(f"{where}: {done}: {rows['train']:,} train rows, {rows['eval']:,} eval rows, {tokens:,} tokens", flush=True)
+    if args.out and not recipe.data.prepared:
+        print(f"train from it with: finetune train {args.recipe} data.prepared={where}", flush=True)
     return 0
 
 

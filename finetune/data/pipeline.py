@@ -1,15 +1,14 @@
-"""load -> normalize -> render and mask -> truncate -> pack -> cache.
+"""load -> normalize -> render and mask -> truncate -> pack -> a prepared folder.
 
 `prepare` returns the tokenized train and eval datasets (columns input_ids, labels, and seq_lengths when packed)
-and a report of what happened to the data. The result is cached on disk under a key made of the data's contents,
-the tokenizer, the chat template, the settings and this package's code, so it is computed once and reused by every
-DDP process and by later runs.
+and a report of what happened to the data. They are written once, to a folder named by what they depend on (the
+data's contents, the tokenizer, the chat template, the settings and this package's code) in the cache, or to the
+folder `finetune prepare --out` names, and read from there, memory-mapped, by every DDP process and by later runs
+(prepared_folder.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -19,13 +18,13 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from array import array
 from pathlib import Path
-from typing import Any
 
 from finetune import builtin
-from finetune.data import encoding, formats, sources
+from finetune.data import encoding, formats, prepared_folder, sources
 from finetune.data.formats import BadRow
+from finetune.data.prepared_folder import PreparedData
 from finetune.data.render import IGNORE, Renderer
 from finetune.data.stage_rows import RowEncoder, answer_example
 from finetune.errors import UserError
@@ -35,39 +34,65 @@ from finetune.recipe.sections import FORMATS, PREFERENCE_FORMATS
 SHOWN_BAD_ROWS = 10
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
 MOST_PROCESSES = 8
-EVAL_EXAMPLES = "eval_examples.json"  # the first SAMPLE_POOL held-out examples: the prompts of eval.samples
-SAMPLE_POOL = 64
+SAMPLE_POOL = 64  # the first held-out examples kept: the prompts of eval.samples
 
 logger = logging.getLogger("finetune")
 
 
-@dataclass
-class PreparedData:
-    train: Any  # datasets.Dataset
-    eval: Any | None
-    report: dict[str, Any]
-    eval_examples: list[dict] = dataclasses.field(default_factory=list)  # the first held-out examples, normalized
-
-
 def prepare(recipe: Recipe, tokenizer, template: str | None) -> PreparedData:
-    """The tokenized datasets for `recipe`, from the cache when the same data was prepared before."""
-    data = recipe.data
-    train_sources = [sources.resolve(_path(s), "data.train") for s in _as_list(data.train)]
-    eval_sources = [sources.resolve(_path(s), "data.eval") for s in _as_list(data.eval)]
-    settings = {
-        "data": {key: value for key, value in dataclasses.asdict(data).items() if key != "num_proc"},
-        "max_length": recipe.train_setting("max_length"),
-        "packing": recipe.train_setting("packing"),
-        "seed": recipe.train_setting("seed"),
-        "stage": recipe.stage,
-    }
-    key = _cache_key(train_sources, eval_sources, settings, tokenizer, template)
-    folder = builtin.home() / "data" / key
-    if not (folder / "report.json").exists():
+    """The tokenized datasets training reads: those of data.prepared, checked against the recipe; else those of the
+    cache folder named by what the data depends on, prepared there first unless they were before."""
+    if recipe.data.prepared:
+        train_sources, eval_sources = _sources(recipe)
+        inputs = prepared_folder.inputs_of(recipe, tokenizer, template, train_sources, eval_sources)
+        return _checked(recipe.data.prepared, inputs, with_data=bool(train_sources))
+    return prepare_into(recipe, tokenizer, template)[0]
+
+
+def prepare_into(recipe: Recipe, tokenizer, template: str | None,
+                 into: str | None = None) -> tuple[PreparedData, str, bool]:
+    """(the datasets, where they are, whether they were prepared now): prepared into `into`, a folder or a URL
+    (fsspec; the folder is made in the cache and copied there), by default the cache; nothing is done where the
+    same inputs were prepared before."""
+    train_sources, eval_sources = _sources(recipe)
+    if not train_sources:
+        raise UserError("data.train is required to prepare data (a file, a folder, or a Hub dataset name)")
+    inputs = prepared_folder.inputs_of(recipe, tokenizer, template, train_sources, eval_sources)
+    remote = into is not None and "://" in into and not into.startswith("file://")
+    cache = builtin.home() / "data" / prepared_folder.key_of(inputs)
+    folder = cache if into is None or remote else Path(into.removeprefix("file://")).expanduser()
+    if into is not None and not remote:
+        prepared_folder.check_target(folder)
+    made = prepared_folder.read_inputs(folder) != inputs
+    if made:
         started = time.monotonic()
-        _build(folder, recipe, tokenizer, template, train_sources, eval_sources)
-        print(f"Prepared the data in {time.monotonic() - started:.1f}s; cached in {folder}", flush=True)
-    return _load(folder)
+        _build(folder, inputs, recipe, tokenizer, template, train_sources, eval_sources)
+        print(f"Prepared the data in {time.monotonic() - started:.1f}s; "
+              f"{'cached in' if folder == cache else 'written to'} {folder}", flush=True)
+    if remote:
+        made = prepared_folder.upload(folder, into) or made
+    return prepared_folder.load(folder), into or str(folder), made
+
+
+def _sources(recipe: Recipe) -> tuple[list, list]:
+    return ([sources.resolve(_path(s), "data.train") for s in _as_list(recipe.data.train)],
+            [sources.resolve(_path(s), "data.eval") for s in _as_list(recipe.data.eval)])
+
+
+def _checked(location: str, inputs: dict, with_data: bool) -> PreparedData:
+    """The data prepared at `location`, refused with what differs when the recipe would prepare other rows."""
+    folder = prepared_folder.local_copy(location, builtin.home() / "data")
+    found = prepared_folder.read_inputs(folder)
+    if found is None:
+        raise UserError(f"data.prepared: {location} is not a complete prepared folder (it has no "
+                        f"{prepared_folder.INPUTS}); run `finetune prepare RECIPE --out {location}`")
+    differences = prepared_folder.differences(found, inputs, with_data)
+    if differences:
+        listed = "\n".join(f"  {line}" for line in differences)
+        raise UserError(f"data.prepared: {location} was prepared from other inputs than this recipe's:\n{listed}\n"
+                        f"Prepare it again (finetune prepare RECIPE --out {location}), or train without "
+                        "data.prepared")
+    return prepared_folder.load(folder)
 
 
 def _as_list(value) -> list:
@@ -86,7 +111,7 @@ def _mix(per_source: list[list], entries: list, seed: int) -> tuple[list, list[d
     weighted = [(i, entry["weight"]) for i, entry in enumerate(entries) if isinstance(entry, dict) and "weight" in entry]
     weighted_rows = sum(len(per_source[i]) for i, _ in weighted)
     total_weight = sum(weight for _, weight in weighted)
-    mixed, shares = [], []
+    mixed, shares = array("q"), []
     for index, (examples, entry) in enumerate(zip(per_source, entries)):
         share = {key: entry[key] for key in ("rows", "fraction", "weight") if isinstance(entry, dict) and key in entry}
         count = len(examples)
@@ -96,73 +121,41 @@ def _mix(per_source: list[list], entries: list, seed: int) -> tuple[list, list[d
             count = round(share["fraction"] * len(examples))
         elif "weight" in share:
             count = round(share["weight"] / total_weight * weighted_rows)
-        taken = _sample(examples, count, random.Random(f"{seed}:{index}")) if examples else []
+        taken = _sample(examples, count, random.Random(f"{seed}:{index}")) if examples else array("q")
         mixed += taken
         shares.append({"source": _path(entry), "available": len(examples), "used": len(taken), **share})
     return mixed, shares
 
 
-def _sample(examples: list, count: int, rng: random.Random) -> list:
+def _sample(examples: array, count: int, rng: random.Random) -> array:
     if count == len(examples):
         return examples
     repeats, rest = divmod(count, len(examples))
     chosen = sorted(rng.sample(range(len(examples)), rest))  # in file order: the sampler shuffles later
-    return examples * repeats + [examples[i] for i in chosen]
+    taken = examples * repeats
+    taken.extend(examples[i] for i in chosen)
+    return taken
 
 
-def _cache_key(train_sources, eval_sources, settings, tokenizer, template) -> str:
-    digest = hashlib.sha256()
-    for part in (
-        [s.fingerprint() for s in train_sources],
-        [s.fingerprint() for s in eval_sources],
-        settings,
-        tokenizer.backend_tokenizer.to_str(),
-        tokenizer.special_tokens_map,
-        template,
-        [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.glob("*.py"))],
-        _library_versions(),
-    ):
-        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
-    return digest.hexdigest()[:24]
-
-
-def _library_versions() -> dict[str, str]:
-    """The libraries whose code shapes the prepared data: rendering and masks (transformers, tokenizers), TRL's
-    packing and training templates, and the datasets format on disk."""
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("trl", "transformers", "tokenizers", "datasets")}
-
-
-def _load(folder: Path) -> PreparedData:
-    import datasets
-
-    report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
-    train = datasets.load_from_disk(str(folder / "train"))
-    evaluation = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
-    examples = json.loads((folder / EVAL_EXAMPLES).read_text(encoding="utf-8"))
-    return PreparedData(train, evaluation, report, examples)
-
-
-def _build(folder: Path, recipe: Recipe, tokenizer, template, train_sources, eval_sources) -> None:
+def _build(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template, train_sources, eval_sources) -> None:
     import datasets
 
     datasets.disable_progress_bars()
     data = recipe.data
     bad: list[str] = []
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _Spool(folder.parent) as spool:
+    with Spool(folder.parent) as spool:
         train_examples, mixture = _mix([read_examples([source], data, bad, spool, recipe.stage)
                                         for source in train_sources], _as_list(data.train), recipe.train_setting("seed"))
         if eval_sources:
             eval_examples = read_examples(eval_sources, data, bad, spool, recipe.stage)
         else:
             train_examples, eval_examples = _hold_out(train_examples, data.eval_fraction, recipe.train_setting("seed"))
-        _build_rows(folder, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
+        _build_rows(folder, inputs, recipe, tokenizer, template, spool, train_examples, eval_examples, mixture, bad)
 
 
-def _build_rows(folder: Path, recipe: Recipe, tokenizer, template, spool, train_examples, eval_examples, mixture,
-                bad) -> None:
+def _build_rows(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template, spool, train_examples, eval_examples,
+                mixture, bad) -> None:
     data = recipe.data
     if template is None and spool.conversations:
         raise UserError(f"model.name_or_path: the tokenizer of {recipe.model.name_or_path} has no chat template, "
@@ -170,19 +163,16 @@ def _build_rows(folder: Path, recipe: Recipe, tokenizer, template, spool, train_
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
     encoder = RowEncoder(renderer, recipe.stage)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".prepare-"))
+    staging = prepared_folder.staging(folder)
     try:
         report = _encode_splits(staging, recipe, tokenizer, encoder, spool, train_examples, eval_examples, bad)
         if len(mixture) > 1:
             report["sources"] = mixture
+        (staging / prepared_folder.REPORT).write_text(json.dumps(report, indent=1), encoding="utf-8")
+        prepared_folder.publish(staging, folder, inputs)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    (staging / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    try:
-        staging.rename(folder)
-    except OSError:  # another process finished the same preparation first
-        shutil.rmtree(staging)
 
 
 def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
@@ -224,8 +214,8 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
             report[name]["packed_rows"] = len(table)
             report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
         table.save_to_disk(str(staging / name))
-    pool = [{"where": where, **answer_example(spool.get(index))} for where, index in eval_examples[:SAMPLE_POOL]]
-    (staging / EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
+    pool = [{"where": spool.where(index), **answer_example(spool.get(index))} for index in eval_examples[:SAMPLE_POOL]]
+    (staging / prepared_folder.EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
     for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
         rows_file.unlink()
     return report
@@ -243,15 +233,15 @@ def _no_usable_rows(rows: int, too_long: int, bad: int, max_length: int, lengths
     return UserError(f"data.train: none of its {rows:,} rows can be trained on: " + "; ".join(reasons or ["it is empty"]))
 
 
-def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+def _hold_out(examples: array, fraction: float, seed: int) -> tuple[array, array]:
     """(train, eval): a random `fraction` of the examples, at least one, held out for evaluation."""
     if not fraction:
         return examples, []
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     held_out = set(order[: max(1, round(len(order) * fraction))])
-    return ([e for i, e in enumerate(examples) if i not in held_out],
-            [e for i, e in enumerate(examples) if i in held_out])
+    return (array("q", (e for i, e in enumerate(examples) if i not in held_out)),
+            array("q", (e for i, e in enumerate(examples) if i in held_out)))
 
 
 def _in_file_order(bad: list[str]):
@@ -284,13 +274,13 @@ def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
     return UserError(f"{heading}:\n{shown}{more}\n{advice}")
 
 
-class _Spool:
-    """Normalized examples kept on disk while the data is prepared, read back one by one: memory holds only
-    where each one is, so it does not grow with the dataset."""
+class Spool:
+    """Normalized examples, with where each comes from (file and row), kept on disk while the data is prepared and
+    read back one by one: memory holds an offset per example, so it does not grow with the rows' sizes."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path | None = None):
         self.file = tempfile.TemporaryFile(dir=folder, prefix=".examples-")
-        self.offsets: list[int] = []
+        self.offsets = array("q")
         self.conversations = False  # whether any example needs a chat template
 
     def __enter__(self):
@@ -299,23 +289,29 @@ class _Spool:
     def __exit__(self, *exc):
         self.file.close()
 
-    def add(self, example: dict) -> int:
+    def add(self, example: dict, where: str) -> int:
         self.file.seek(0, os.SEEK_END)
         self.offsets.append(self.file.tell())
-        pickle.dump(example, self.file)
+        pickle.dump((where, example), self.file)
         self.conversations = self.conversations or "messages" in answer_example(example)
         return len(self.offsets) - 1
 
     def get(self, index: int) -> dict:
+        return self._read(index)[1]
+
+    def where(self, index: int) -> str:
+        return self._read(index)[0]
+
+    def _read(self, index: int) -> tuple[str, dict]:
         self.file.seek(self.offsets[index])
         return pickle.load(self.file)
 
 
-def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str = "sft") -> list[tuple[str, int]]:
-    """(where, index in `spool`) of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
+def read_examples(source_list, data, bad: list[str], spool: Spool, stage: str = "sft") -> array:
+    """The indices in `spool` of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
     desirable, and its rejected one; "any": the rows of any format, SFT's or preference data); the others go to
     `bad` as 'where: reason'."""
-    examples = []
+    examples = array("q")
     for source in source_list:
         found: dict[str, str] = {}  # file -> the format of its rows
         number = 0
@@ -334,10 +330,10 @@ def read_examples(source_list, data, bad: list[str], spool: _Spool, stage: str =
                 try:
                     example = formats.normalize(row, fmt, data.columns, data.system_prompt, data.thinking_marker)
                     if stage == "kto" and "chosen" in example:
-                        examples += [(where, spool.add({"completion": example["chosen"], "label": True})),
-                                     (where, spool.add({"completion": example["rejected"], "label": False}))]
+                        examples += array("q", [spool.add({"completion": example["chosen"], "label": True}, where),
+                                                spool.add({"completion": example["rejected"], "label": False}, where)])
                     else:
-                        examples.append((where, spool.add(example)))
+                        examples.append(spool.add(example, where))
                 except BadRow as reason:
                     bad.append(f"{where}: {reason}")
     return examples

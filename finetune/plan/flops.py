@@ -33,14 +33,6 @@ class Work:
     trained_tokens: int
     lengths: tuple[int, ...]  # one per example (packed rows hold several)
 
-    @classmethod
-    def of_rows(cls, input_ids: list[list[int]], labels: list[list[int]], seq_lengths: list[list[int]] | None = None,
-                ignore: int = -100) -> Work:
-        """From prepared rows: token ids, labels, and for packed rows the lengths of the examples in each."""
-        lengths = [n for row in seq_lengths for n in row] if seq_lengths else [len(ids) for ids in input_ids]
-        return cls(sum(map(len, input_ids)), sum(sum(1 for label in row if label != ignore) for row in labels),
-                   tuple(lengths))
-
 
 @dataclass(frozen=True)
 class Layout:

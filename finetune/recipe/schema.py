@@ -328,8 +328,9 @@ def _fill_from_adapter(recipe: Recipe, origin) -> None:
 def _check_required(recipe: Recipe, where: str) -> None:
     if not recipe.model.name_or_path:
         raise UserError(f"{where}: model.name_or_path is required (a Hub id, a local folder or builtin:tiny-llama)")
-    if not recipe.data.train:
-        raise UserError(f"{where}: data.train is required (a file, a folder, or a Hub dataset name)")
+    if not recipe.data.train and not recipe.data.prepared:
+        raise UserError(f"{where}: data.train is required (a file, a folder, or a Hub dataset name), or "
+                        "data.prepared (a folder finetune prepare wrote)")
 
 
 def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:

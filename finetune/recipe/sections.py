@@ -69,6 +69,11 @@ class DataSection:
                                         "takes a share of that source (a mixture)."}
     )
     eval: str | list[str] | None = field(default=None, metadata={"help": "Like train; or use eval_fraction."})
+    prepared: str | None = field(
+        default=None, metadata={"help": "Train from the data `finetune prepare` wrote to this folder (or URL: "
+                                        "s3://, gs://, ... through fsspec), checked against this recipe's tokenizer, "
+                                        "template and data settings (and data files, when data.train names them)."}
+    )
     eval_fraction: float = field(default=0.0, metadata={"help": "Share of train rows held out for evaluation."})
     format: Literal[("auto", *FORMATS, *PREFERENCE_FORMATS)] = field(
         default="auto", metadata={"help": "auto detects it from the fields; preference, sharegpt_preference, hh and "

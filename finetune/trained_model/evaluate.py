@@ -85,21 +85,17 @@ def load_examples(spec: str, data_section, limit: int | None = None) -> list[Exa
     """Rows of a data file (any format training reads, with the recipe's columns), normalized; a bad row stops
     it with the file and row named. Of preference data, the chosen answer is the reference."""
     from finetune.data import sources
-    from finetune.data.pipeline import bad_rows_error, read_examples
+    from finetune.data.pipeline import Spool, bad_rows_error, read_examples
     from finetune.data.stage_rows import answer_example
 
-    class Kept(list):
-        def add(self, example: dict) -> int:
-            self.append(example)
-            return len(self) - 1
-
-    kept, bad = Kept(), []
-    found = read_examples([sources.resolve(spec, "--data")], data_section, bad, kept, stage="any")
-    if bad:
-        raise bad_rows_error(bad)
-    if not found:
-        raise UserError(f"--data {spec}: no rows")
-    examples = [split_example(where, answer_example(kept[index])) for where, index in found]
+    bad = []
+    with Spool() as spool:
+        found = read_examples([sources.resolve(spec, "--data")], data_section, bad, spool, stage="any")
+        if bad:
+            raise bad_rows_error(bad)
+        if not found:
+            raise UserError(f"--data {spec}: no rows")
+        examples = [split_example(spool.where(index), answer_example(spool.get(index))) for index in found]
     return examples[:limit] if limit else examples
 
 

@@ -64,7 +64,8 @@ def converter() -> Path:
         installed = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
         raise UserError('--gguf needs llama.cpp\'s Python bindings, which check the GGUF: pip install -e ".[gguf]" '
-                        "(it compiles llama.cpp once: about 13 minutes on 2 cores); or export without --gguf") from None
+                        "(it compiles llama.cpp once: about 4 minutes on 2 cores with CMAKE_ARGS=-DLLAVA_BUILD=OFF); "
+                        "or export without --gguf") from None
     if os.environ.get("LLAMA_CPP_DIR"):
         script = Path(os.environ["LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py"
         if not script.is_file():
