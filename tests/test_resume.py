@@ -139,6 +139,25 @@ def test_killed_again_and_again_the_run_ends_as_if_never_interrupted(uninterrupt
     assert max((reference[key] - resumed_weights[key]).abs().max().item() for key in reference) <= 1e-6
 
 
+def test_a_run_from_prepared_shards_is_the_run_from_its_data_killed_and_resumed(uninterrupted, data, tmp_path,
+                                                                                capsys):
+    """data.prepared: each process takes its rows from the shards `finetune prepare` wrote; killed in the second
+    epoch and resumed (the position is the sampler's batch, not a count of rows read), the run ends as the
+    uninterrupted run from the data file did."""
+    prepared = tmp_path / "prepared"
+    code, _, err = cli_here(capsys, "prepare", "quickstart", f"data.train={data}", *SETTINGS, "--out", str(prepared))
+    assert code == 0, err
+    run = tmp_path / "run"
+    kill_at_fault(ddp_train(run, data, f"data.prepared={prepared}", faults="pause@step:7"), run)
+    last = finish(ddp_train(run, data, f"data.prepared={prepared}", resume=True))
+    assert "from checkpoint-6 (step 6)" in last and "Prepared the data" not in last
+    expected, got = rows(uninterrupted), rows(run)
+    assert [(row["step"], row["loss"], row["trained_tokens"]) for row in got if "loss" in row and row["step"] > 6] \
+        == [(row["step"], row["loss"], row["trained_tokens"]) for row in expected if "loss" in row and row["step"] > 6]
+    reference, resumed_weights = adapter(uninterrupted), adapter(run)
+    assert max((reference[key] - resumed_weights[key]).abs().max().item() for key in reference) <= 1e-6
+
+
 def test_a_different_process_count_resumes_with_the_same_global_batch(uninterrupted, data, tmp_path, capsys):
     run = tmp_path / "run"
     kill_at_fault(ddp_train(run, data, faults="pause@step:4"), run)

@@ -1,0 +1,156 @@
+"""`finetune prepare`: a recipe's data prepared once into a folder of Arrow shards, which `data.prepared` trains
+from: the same rows as the preparation training does itself, refused when the recipe would prepare other rows, never
+read half-written, through fsspec URLs too, and planned from without tokenizing. (Training from it under DDP, killed
+and resumed: tests/test_resume.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.data.pipeline import prepare, prepare_into
+from finetune.errors import UserError
+from finetune.recipe.schema import load_recipe
+from tests.conftest import cli_here, write_recipe
+
+
+def conversations(path: Path, count: int, start: int = 0) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Repeat {i} twice."},
+                                                      {"role": "assistant", "content": f"{i} {i}"}]}) + "\n"
+                            for i in range(start, start + count)))
+    return path
+
+
+def recipe_file(folder: Path, data: Path, prepared: Path | str | None = None) -> Path:
+    return write_recipe(folder, "model: {name_or_path: builtin:tiny-llama}\n"
+                                f"data: {{train: {data}, eval_fraction: 0.1"
+                                + (f", prepared: {prepared}" if prepared else "") + "}\n"
+                                "train: {max_length: 64}\n")
+
+
+def rows(data) -> tuple[list, list]:
+    return data.train["input_ids"], data.train["labels"]
+
+
+def test_prepare_writes_the_rows_training_would_prepare_once_and_again_when_an_input_changes(tmp_path, capsys):
+    data = conversations(tmp_path / "rows.jsonl", 300)
+    recipe = recipe_file(tmp_path, data)
+    out = tmp_path / "prepared"
+    code, printed, err = cli_here(capsys, "prepare", str(recipe), "--out", str(out))
+    assert code == 0, err
+    assert f"{out}: prepared: 270 train rows, 30 eval rows, " in printed
+    assert f"train from it with: finetune train {recipe} data.prepared={out}" in printed
+    assert {"train", "eval", "report.json", "eval_examples.json", "prepared.json"} <= {p.name for p in out.iterdir()}
+    shards = sorted((out / "train").glob("*.arrow"))
+    written = [shard.stat().st_mtime_ns for shard in shards]
+
+    code, printed, _ = cli_here(capsys, "prepare", str(recipe), "--out", str(out))
+    assert code == 0 and "already prepared from the same inputs, nothing to do" in printed
+    assert [shard.stat().st_mtime_ns for shard in shards] == written
+
+    from finetune.builtin import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    from_folder = prepare(load_recipe(recipe, [f"data.prepared={out}"]), tokenizer, tokenizer.chat_template)
+    by_training = prepare(load_recipe(recipe), tokenizer, tokenizer.chat_template)  # the cache training fills
+    assert rows(from_folder) == rows(by_training) and from_folder.report == by_training.report
+    assert from_folder.eval["input_ids"] == by_training.eval["input_ids"]
+
+    conversations(data, 300, start=1)  # the same file, other rows
+    code, printed, _ = cli_here(capsys, "prepare", str(recipe), "--out", str(out))
+    assert code == 0 and f"{out}: prepared: 270 train rows" in printed
+    again = prepare(load_recipe(recipe, [f"data.prepared={out}"]), tokenizer, tokenizer.chat_template)
+    assert rows(again) != rows(from_folder)
+    assert not list(tmp_path.glob(".prepared.*")), "the staging and replaced folders are gone"
+
+
+def test_prepared_rows_from_other_inputs_are_refused_with_what_differs(tmp_path, capsys):
+    data = conversations(tmp_path / "rows.jsonl", 50)
+    recipe = recipe_file(tmp_path, data)
+    out = tmp_path / "prepared"
+    assert cli_here(capsys, "prepare", str(recipe), "--out", str(out))[0] == 0
+    template = tmp_path / "other.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    code, _, err = cli_here(capsys, "validate", str(recipe), f"data.prepared={out}", "train.max_length=48",
+                            f"model.chat_template={template}", "data.loss_on=all")
+    assert code == 2
+    assert f"error: data.prepared: {out} was prepared from other inputs than this recipe's:" in err
+    assert "  data.loss_on: prepared with 'assistant', the recipe has 'all'" in err
+    assert "  train.max_length: prepared with 64, the recipe has 48" in err
+    assert "  the chat template: prepared with another one" in err
+    assert "Traceback" not in err
+
+    conversations(data, 50, start=7)
+    code, _, err = cli_here(capsys, "validate", str(recipe), f"data.prepared={out}")
+    assert code == 2 and "data.train / data.eval: the data files (or their shares) are not those it was prepared " \
+                         "from" in err
+
+    from finetune.builtin import make_tokenizer
+
+    other = make_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    with pytest.raises(UserError, match="the tokenizer: prepared with builtin:tiny-llama's, which differs"):
+        prepare(load_recipe(recipe, [f"data.prepared={out}", "data.train=null"]), other, other.chat_template)
+
+
+def test_a_prepare_killed_half_way_is_never_read_and_the_next_one_starts_over(tmp_path, capsys):
+    data = conversations(tmp_path / "rows.jsonl", 30000)
+    out = tmp_path / "prepared"
+    recipe = recipe_file(tmp_path, data, prepared=out)
+    preparing = subprocess.Popen([sys.executable, "-m", "finetune", "prepare", str(recipe), "data.num_proc=1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    staged = tmp_path / f".prepared.prepare-{preparing.pid}"
+    deadline = time.monotonic() + 300
+    while not (staged / "train.arrow").is_file() or not (staged / "train.arrow").stat().st_size:
+        assert preparing.poll() is None, preparing.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the preparation never started writing rows"
+        time.sleep(0.1)
+    os.killpg(preparing.pid, signal.SIGKILL)
+    preparing.wait(timeout=60)
+
+    assert not out.exists() and staged.is_dir()
+    code, _, err = cli_here(capsys, "validate", str(recipe))
+    assert code == 2 and f"data.prepared: {out} is not a complete prepared folder" in err
+    code, printed, err = cli_here(capsys, "prepare", str(recipe))
+    assert code == 0, err
+    assert f"{out}: prepared: 27,000 train rows, 3,000 eval rows" in printed
+    assert not staged.exists(), "the killed preparation's staging folder is removed"
+    assert cli_here(capsys, "validate", str(recipe))[0] == 0
+
+
+def test_prepared_rows_go_to_and_come_from_an_fsspec_url(tmp_path):
+    from finetune.builtin import make_tokenizer
+
+    data = conversations(tmp_path / "rows.jsonl", 40)
+    recipe = load_recipe(recipe_file(tmp_path, data))
+    tokenizer = make_tokenizer()
+    written, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, "memory://bucket/prepared")
+    assert made and where == "memory://bucket/prepared"
+    import fsspec
+
+    files = fsspec.filesystem("memory").find("/bucket/prepared")
+    assert "/bucket/prepared/prepared.json" in files and any(f.endswith(".arrow") for f in files)
+    read = prepare(load_recipe(recipe_file(tmp_path, data, prepared="memory://bucket/prepared")), tokenizer,
+                   tokenizer.chat_template)
+    assert rows(read) == rows(written)
+    assert prepare_into(recipe, tokenizer, tokenizer.chat_template, "memory://bucket/prepared")[2] is False
+
+
+def test_the_time_plan_counts_the_prepared_rows_without_the_data_files(tmp_path, capsys):
+    data = conversations(tmp_path / "rows.jsonl", 200)
+    out = tmp_path / "prepared"
+    recipe = recipe_file(tmp_path, data)
+    assert cli_here(capsys, "prepare", str(recipe), "--out", str(out))[0] == 0
+    tokens = json.loads((out / "report.json").read_text())["train"]["tokens"]
+    data.unlink()  # nothing left to tokenize
+    code, printed, err = cli_here(capsys, "estimate", str(recipe), "data.train=null", f"data.prepared={out}",
+                                  "--gpu", "h100")
+    assert code == 0, err
+    assert f"over {tokens:,} tokens per epoch in 180 rows (counted from the prepared data" in printed
