@@ -57,6 +57,7 @@ class Renderer:
         self.loss_on = loss_on
         self.train_thinking = train_thinking
         self._special_ids = set(tokenizer.get_added_vocab().values())
+        self._backend = _plain_backend(tokenizer)
         self._reasoning_content = template is not None and "reasoning_content" in template
         self._settings = (template_date, loss_on, train_thinking, template_kwargs)  # a sibling renderer's
         fixed = date.fromisoformat(template_date)
@@ -149,6 +150,8 @@ class Renderer:
                     end += 1
             elif turn_ends:
                 end = next((i + 1 for i in range(start, len(ids)) if ids[i] in turn_ends), len(ids))
+            elif index == len(messages) - 1:  # the conversation through its last turn is the full rendering
+                end = len(ids)
             else:
                 end = self._prefix_length(full, messages[: index + 1], tools, index)
             end = self._through_end_of_turn(ids, start, end)
@@ -201,8 +204,12 @@ class Renderer:
 
     def _rendered(self, messages: list[dict], tools: list | None) -> _Rendered:
         text = self._text(messages, tools)
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+        if self._backend:
+            encoding = self._backend.encode(text, add_special_tokens=False)
+            ids, offsets = encoding.ids, encoding.offsets
+        else:
+            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
         added = [(start, end) for token, (start, end) in zip(ids, offsets) if token in self._special_ids]
         return _Rendered(text, ids, [start for start, _ in offsets], [start for start, _ in added],
                          [end for _, end in added])
@@ -219,7 +226,7 @@ class Renderer:
         last_added = bisect.bisect_right(full.added_ends, len(text)) - 1  # the prefix's last added token
         cut = full.added_starts[last_added] if last_added >= 0 else 0
         first = bisect.bisect_left(full.starts, cut)
-        tail = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+        tail = self._ids(text[cut:])
         if not full.text.startswith(text) or (cut and (first == len(full.starts) or full.starts[first] != cut)) \
                 or full.ids[first:first + len(tail)] != list(tail):
             side = "before" if add_generation_prompt else "through"
@@ -229,6 +236,13 @@ class Renderer:
                 "{% generation %} markers (model.chat_template)"
             )
         return first + len(tail)
+
+    def _ids(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._backend:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _encode_text(self, segments: list[dict]) -> tuple[list[int], list[int]]:
         """Raw text: the segments joined, then the end-of-sequence token, trained where their segment is."""
@@ -249,6 +263,18 @@ class Renderer:
             if segment["train"]:
                 labels[start:end] = ids[start:end]
         return ids, labels
+
+
+def _plain_backend(tokenizer):
+    """The `tokenizers` Tokenizer behind a fast tokenizer, where calling it tokenizes as calling the tokenizer does
+    (no truncation or padding set on it, special tokens split or not alike): a conversation's prefixes are
+    tokenized many times per row, and the wrapper's work per call costs more than a short prefix's tokens. None
+    where it would not tokenize alike."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation or backend.padding or \
+            backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
 
 
 @dataclass
