@@ -31,7 +31,7 @@ class RowEncoder:
     def features(self):
         import datasets
 
-        ids = datasets.Sequence(datasets.Value("int64"))
+        ids = datasets.Sequence(datasets.Value("int32"))  # any vocabulary's ids, and -100: half int64's disk
         return datasets.Features({
             "sft": {"input_ids": ids, "labels": ids},
             "dpo": {"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids},
