@@ -102,7 +102,7 @@ def test_the_quickstart_goes_out_as_a_gguf_and_every_place_renders_its_prompts(q
     done = run(export, folder)
     assert done.returncode == 0, done.stderr[-3000:]
     gguf_file = folder / "exports" / "quickstart-gguf" / "model-q8_0.gguf"
-    assert f"gguf: exports/quickstart-gguf/model-q8_0.gguf (checked by llama.cpp: " in done.stdout
+    assert "gguf: exports/quickstart-gguf/model-q8_0.gguf (checked by llama.cpp: " in done.stdout
     checked = report(folder / "exports" / "quickstart-gguf")
     assert (checked["metadata"], checked["tokenization"], checked["template"], checked["problems"]) == ([], [], [], [])
     f32, q8 = checked["greedy"]

@@ -108,7 +108,7 @@ def test_a_prepare_killed_half_way_is_never_read_and_the_next_one_starts_over(tm
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     staged = tmp_path / f".prepared.prepare-{preparing.pid}"
     deadline = time.monotonic() + 300
-    while not (staged / "train.arrow").is_file() or not (staged / "train.arrow").stat().st_size:
+    while len(list((staged / "train-rows").glob("*.arrow"))) < 2:  # a chunk of rows written, the next begun
         assert preparing.poll() is None, preparing.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline, "the preparation never started writing rows"
         time.sleep(0.1)
@@ -154,3 +154,6 @@ def test_the_time_plan_counts_the_prepared_rows_without_the_data_files(tmp_path,
                                   "--gpu", "h100")
     assert code == 0, err
     assert f"over {tokens:,} tokens per epoch in 180 rows (counted from the prepared data" in printed
+    from finetune.trained_model.model_card import data_names
+
+    assert data_names(load_recipe(recipe, ["data.train=null", f"data.prepared={out}"])) == "local data"  # no path

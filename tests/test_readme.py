@@ -206,6 +206,20 @@ def test_validate_command(tmp_path):
 
 
 @pytest.mark.integration
+def test_prepare_and_train_from_prepared_commands(tmp_path):
+    prepare = run(next(c for c in commands() if c.startswith("finetune prepare")), tmp_path)
+    assert prepare.returncode == 0 and not prepare.stderr, prepare.stderr[-3000:]
+    assert "prepared/quickstart: prepared: " in prepare.stdout
+    train = run(next(c for c in commands() if c.startswith("finetune train") and "data.prepared=" in c), tmp_path)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert not foreign_lines(train.stderr), foreign_lines(train.stderr)
+    assert "Prepared the data" not in train.stdout  # read from the folder, not prepared again
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "from-prepared" / "progress.jsonl").read_text()
+            .splitlines()]
+    assert rows[-1] == {**rows[-1], "status": "completed", "step": 5}
+
+
+@pytest.mark.integration
 def test_cpu_ddp_and_resume_commands(tmp_path):
     result = run(next(c for c in commands() if "cpu_ddp_2proc" in c), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

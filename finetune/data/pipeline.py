@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
-import tempfile
 import time
 from array import array
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 from finetune import builtin
 from finetune.data import encoding, formats, prepared_folder, sources
 from finetune.data.formats import BadRow
+from finetune.data.spool import Spool
 from finetune.data.prepared_folder import PreparedData
 from finetune.data.render import IGNORE, Renderer
 from finetune.data.stage_rows import RowEncoder, answer_example
@@ -182,9 +181,9 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
     too_long: list[str] = []
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
     train_table, train_stats = encoding.encode_split(train_examples, spool, encoder, max_length, bad, too_long,
-                                       staging / "train.arrow", processes, "train")
+                                                     staging / "train-rows", processes, "train")
     eval_table, eval_stats = encoding.encode_split(eval_examples, spool, encoder, max_length, bad, too_long,
-                                     staging / "eval.arrow", processes, "eval")
+                                                   staging / "eval-rows", processes, "eval")
     bad.sort(key=_in_file_order(bad))  # read (JSON, format) and encoded (template, masks) rows in one order
     if bad and data.bad_rows == "fail":
         raise bad_rows_error(bad)
@@ -216,8 +215,8 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
         table.save_to_disk(str(staging / name))
     pool = [{"where": spool.where(index), **answer_example(spool.get(index))} for index in eval_examples[:SAMPLE_POOL]]
     (staging / prepared_folder.EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
-    for rows_file in staging.glob("*.arrow"):  # the encoded rows and packing's cache, now saved above
-        rows_file.unlink()
+    for rows in staging.glob("*-rows"):  # the encoded rows and packing's cache, now saved above
+        shutil.rmtree(rows)
     return report
 
 
@@ -272,39 +271,6 @@ def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
     plural = "s" if len(rows) != 1 else ""
     heading = f"{len(rows)} bad data row{plural}" if what == "bad" else f"{len(rows)} data row{plural} {what}"
     return UserError(f"{heading}:\n{shown}{more}\n{advice}")
-
-
-class Spool:
-    """Normalized examples, with where each comes from (file and row), kept on disk while the data is prepared and
-    read back one by one: memory holds an offset per example, so it does not grow with the rows' sizes."""
-
-    def __init__(self, folder: Path | None = None):
-        self.file = tempfile.TemporaryFile(dir=folder, prefix=".examples-")
-        self.offsets = array("q")
-        self.conversations = False  # whether any example needs a chat template
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
-
-    def add(self, example: dict, where: str) -> int:
-        self.file.seek(0, os.SEEK_END)
-        self.offsets.append(self.file.tell())
-        pickle.dump((where, example), self.file)
-        self.conversations = self.conversations or "messages" in answer_example(example)
-        return len(self.offsets) - 1
-
-    def get(self, index: int) -> dict:
-        return self._read(index)[1]
-
-    def where(self, index: int) -> str:
-        return self._read(index)[0]
-
-    def _read(self, index: int) -> tuple[str, dict]:
-        self.file.seek(self.offsets[index])
-        return pickle.load(self.file)
 
 
 def read_examples(source_list, data, bad: list[str], spool: Spool, stage: str = "sft") -> array:

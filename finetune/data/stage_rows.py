@@ -108,8 +108,8 @@ class RowEncoder:
         """(length, tokens, tokens that carry loss) of a row: a pair's length is its longer sequence, its tokens
         both sequences'."""
         if self.stage == "sft":
-            trained = sum(label != IGNORE for label in row["labels"])
-            return len(row["input_ids"]), len(row["input_ids"]), trained
+            labels = row["labels"]
+            return len(labels), len(labels), len(labels) - labels.count(IGNORE)
         if self.stage == "grpo":
             return row["prompt_length"], row["prompt_length"], 0
         answers = [len(row[key]) for key in row if key.endswith("_ids") and key != "prompt_ids"]

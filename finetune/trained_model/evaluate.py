@@ -85,7 +85,8 @@ def load_examples(spec: str, data_section, limit: int | None = None) -> list[Exa
     """Rows of a data file (any format training reads, with the recipe's columns), normalized; a bad row stops
     it with the file and row named. Of preference data, the chosen answer is the reference."""
     from finetune.data import sources
-    from finetune.data.pipeline import Spool, bad_rows_error, read_examples
+    from finetune.data.pipeline import bad_rows_error, read_examples
+    from finetune.data.spool import Spool
     from finetune.data.stage_rows import answer_example
 
     bad = []

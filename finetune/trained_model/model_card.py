@@ -30,8 +30,10 @@ def final_losses(source: saved_model.SavedModel) -> dict[str, float]:
 
 
 def training_sources(recipe) -> list[str]:
-    """The names of the recipe's training sources, a mixture's entries included (`{path: ..., rows: N}`)."""
-    entries = recipe.data.train if isinstance(recipe.data.train, list) else [recipe.data.train]
+    """The names of the recipe's training sources, a mixture's entries included (`{path: ..., rows: N}`); of data
+    prepared by `finetune prepare` without them, its folder."""
+    train = recipe.data.train or recipe.data.prepared
+    entries = train if isinstance(train, list) else [train]
     return [entry["path"] if isinstance(entry, dict) else entry for entry in entries]
 
 
@@ -202,7 +204,8 @@ def _shown_recipe(recipe, base: str) -> str:
                     for entry in sources]
         return sources if sources is None else data_name(sources)
 
-    data = dataclasses.replace(recipe.data, train=shown(recipe.data.train), eval=shown(recipe.data.eval))
+    data = dataclasses.replace(recipe.data, train=shown(recipe.data.train), eval=shown(recipe.data.eval),
+                               prepared=shown(recipe.data.prepared))
     model = dataclasses.replace(recipe.model, name_or_path=base)
     if model.adapter and not hub_id(model.adapter):
         model = dataclasses.replace(model, adapter="a local adapter")
