@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from finetune.data.collate import PackedRowsCollator
-from finetune.data.pipeline import _pack
+from finetune.data.encoding import pack
 from finetune.data.render import IGNORE
 
 
@@ -25,10 +25,13 @@ def documents(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
 
 
 def packed_rows(docs, max_length):
+    import tempfile
+
     import datasets
 
     table = datasets.Dataset.from_dict({"input_ids": [d[0] for d in docs], "labels": [d[1] for d in docs]})
-    return list(_pack(table, max_length))
+    with tempfile.TemporaryDirectory() as folder:
+        return list(pack(table, max_length, f"{folder}/packed.arrow"))
 
 
 def split(row) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,9 +107,9 @@ def test_a_prepare_killed_half_way_is_never_read_and_the_next_one_starts_over(tm
     recipe = recipe_file(tmp_path, data, prepared=out)
     preparing = subprocess.Popen([sys.executable, "-m", "finetune", "prepare", str(recipe), "data.num_proc=1"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    staged = tmp_path / f".prepared.prepare-{preparing.pid}"
+    staged = tmp_path / f".prepared.prepare-{socket.gethostname()}-{preparing.pid}"
     deadline = time.monotonic() + 300
-    while len(list((staged / "train-rows").glob("*.arrow"))) < 2:  # a chunk of rows written, the next begun
+    while len(list((staged / "train").glob("*.arrow"))) < 2:  # a shard written, the next begun
         assert preparing.poll() is None, preparing.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline, "the preparation never started writing rows"
         time.sleep(0.1)

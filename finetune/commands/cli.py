@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from finetune import __version__
@@ -328,7 +329,8 @@ def prepare_command(args) -> int:
     done = "prepared" if made else "already prepared from the same inputs, nothing to do"
     print(f"{where}: {done}: {rows['train']:,} train rows, {rows['eval']:,} eval rows, {tokens:,} tokens", flush=True)
     if args.out and not recipe.data.prepared:
-        print(f"train from it with: finetune train {args.recipe} data.prepared={where}", flush=True)
+        print("train from it with: " + shlex.join(["finetune", "train", args.recipe, *args.overrides,
+                                                   f"data.prepared={where}"]), flush=True)
     return 0
 
 

@@ -1,79 +1,102 @@
-"""Encoding a split's examples into rows with their loss masks, in chunks of rows that each worker process encodes
-and writes to an Arrow file of its own (the main process sends where the examples are and gets counts back, never
-the rows), with a line on how far it is every few seconds (terminal and train.log)."""
+"""Encoding a split's examples into rows with their loss masks, packed where the recipe packs, in chunks that each
+worker process encodes and writes as an Arrow shard of its own: the main process sends where the examples are and
+gets counts back, never the rows, so its memory does not grow with the data. A line says how far it is every few
+seconds (terminal and train.log)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from finetune.data.formats import BadRow
 from finetune.data.spool import read_at
 from finetune.data.stage_rows import RowEncoder
 
 PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
-CHUNK_ROWS = 1024  # rows a worker encodes into one file: a worker holds one chunk's examples
+PACK_BATCH = 1000  # rows packed together (best-fit decreasing over each batch, as TRL's pack_dataset does)
+MOST_CHUNKS_PER_SPLIT = 16  # below it chunks hold PACK_BATCH rows; above, more (fewer shards for a large split)
+LARGEST_CHUNK = 8 * PACK_BATCH
 RATE_AFTER_S = 1.0
 PROGRESS_EVERY_S = 5.0
 logger = logging.getLogger("finetune")
 
 
-def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, bad: list[str], too_long: list[str],
-                 folder: Path, processes: int, split: str):
-    """Encode `examples` (their indices in `spool`) into Arrow files in `folder`, a chunk of rows at a time, on
-    `processes` worker processes for large splits, saying how far it is; (the rows as one Dataset in example
-    order, their statistics)."""
-    import datasets
+@dataclass
+class Encoded:
+    """A split's rows as shards (Arrow files, in example order), and what encoding them gave."""
+    shards: list[Path]
+    rows: int  # examples kept, before packing
+    packed_rows: int
+    stats: dict[str, Any]
+    first_row: dict | None  # the first kept example's row, unpacked
 
+
+def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, packing: bool, bad: list[str],
+                 too_long: list[str], folder: Path, processes: int, split: str) -> Encoded:
+    """Encode `examples` (their indices in `spool`) into shards in `folder`, a chunk of rows each, on `processes`
+    worker processes for large splits, saying how far it is. A chunk holds a whole number of PACK_BATCH rows, so
+    rows are packed in the same batches however many processes encode them."""
     folder.mkdir()
     spool.file.flush()  # the workers read the examples from it
-    tasks = [(str(folder / f"{start // CHUNK_ROWS:06d}.arrow"), spool.file.name,
-              array("q", (spool.offsets[index] for index in examples[start:start + CHUNK_ROWS])), max_length)
-             for start in range(0, len(examples), CHUNK_ROWS)]
+    size = PACK_BATCH * min(max(math.ceil(len(examples) / (MOST_CHUNKS_PER_SPLIT * PACK_BATCH)), 1),
+                            LARGEST_CHUNK // PACK_BATCH)
+    starts = range(0, len(examples), size)
+    tasks = [(str(folder / f"{number:06d}.arrow"), spool.file.name,
+              array("q", (spool.offsets[index] for index in examples[start:start + size])), max_length, packing)
+             for number, start in enumerate(starts)]
     total = _Chunk()
     progress = _Progress(split, len(examples))
-    for start, chunk in zip(range(0, len(examples), CHUNK_ROWS), _chunks(tasks, encoder, processes)):
-        chunk_examples = examples[start:start + CHUNK_ROWS]
+    for start, chunk in zip(starts, _chunks(tasks, encoder, processes)):
+        chunk_examples = examples[start:start + size]
         progress.advance(len(chunk_examples))
         bad += [f"{spool.where(chunk_examples[at])}: {reason}" for at, reason in chunk.bad]
         too_long += [f"{spool.where(chunk_examples[at])}: {length:,} tokens" for at, length in chunk.too_long]
         total.add(chunk)
     progress.finish()
-    files = [path for path, *_ in tasks]
-    table = (datasets.concatenate_datasets([datasets.Dataset.from_file(path) for path in files]) if files else
-             datasets.Dataset.from_dict({name: [] for name in encoder.features()}, features=encoder.features()))
-    return table, {
+    shards = sorted(folder.glob("*.arrow"))
+    if not shards:
+        folder.rmdir()
+    return Encoded(shards, total.rows, total.packed_rows, {
         "tokens": total.tokens,
         "trained_tokens": total.trained,
         "trained_fraction": total.trained / total.tokens if total.tokens else 0.0,
         "length_percentiles": _percentiles(total.lengths),
         "truncated_rows": total.truncated,
         "dropped_no_trained_tokens": total.untrainable,
-    }
+    }, total.first_row)
 
 
 @dataclass
 class _Chunk:
-    """What encoding a chunk of examples gave, besides its rows: counts, and where bad and too long rows are in it."""
+    """What encoding a chunk of examples gave, besides its shard: counts, its first row, and where its bad and too
+    long rows are in it."""
     lengths: array = field(default_factory=lambda: array("q"))  # of each encoded example, before truncation
+    rows: int = 0
+    packed_rows: int = 0
     truncated: int = 0  # rows kept, cut short; the dropped ones are counted apart
     untrainable: int = 0  # rows whose whole answer lies past max_length: nothing left to learn from
     tokens: int = 0
     trained: int = 0
+    first_row: dict | None = None
     bad: list[tuple[int, str]] = field(default_factory=list)
     too_long: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, other: _Chunk) -> None:
         self.lengths += other.lengths
+        self.rows += other.rows
+        self.packed_rows += other.packed_rows
         self.truncated += other.truncated
         self.untrainable += other.untrainable
         self.tokens += other.tokens
         self.trained += other.trained
+        self.first_row = self.first_row or other.first_row
 
 
 _worker_encoder: RowEncoder | None = None  # a worker process's encoder
@@ -84,14 +107,15 @@ def _start_worker(encoder: RowEncoder) -> None:
     _worker_encoder = encoder
 
 
-def _encode_chunk(task: tuple[str, str, array, int]) -> _Chunk:
-    """Encode a chunk's examples, read at their offsets in the spool's file, into the Arrow file at `path`."""
+def _encode_chunk(task: tuple[str, str, array, int, bool]) -> _Chunk:
+    """Encode a chunk's examples, read at their offsets in the spool's file, into the shard at `path` (packed)."""
     from datasets.arrow_writer import ArrowWriter
 
-    path, spool_file, offsets, max_length = task
+    path, spool_file, offsets, max_length, packing = task
     encoder, chunk = _worker_encoder, _Chunk()
+    rows_path = f"{path}.rows" if packing else path
     with open(spool_file, "rb") as spool, \
-            ArrowWriter(features=encoder.features(), path=path, writer_batch_size=256) as writer:
+            ArrowWriter(features=encoder.features(), path=rows_path, writer_batch_size=256) as writer:
         for at, offset in enumerate(offsets):
             try:
                 encoded = encoder(read_at(spool, offset)[1])
@@ -109,16 +133,35 @@ def _encode_chunk(task: tuple[str, str, array, int]) -> _Chunk:
             _, row_tokens, row_trained = encoder.counts(row) if cut else counts
             chunk.tokens += row_tokens
             chunk.trained += row_trained
+            chunk.rows += 1
+            chunk.first_row = chunk.first_row or row
             writer.write(row)
         writer.finalize()
+    if packing and chunk.rows:
+        import datasets
+
+        chunk.packed_rows = len(pack(datasets.Dataset.from_file(rows_path), max_length, path))
+    else:
+        chunk.packed_rows = chunk.rows
+    if not chunk.rows or packing:
+        os.unlink(rows_path)
     return chunk
+
+
+def pack(rows, max_length: int, path: str):
+    """The rows with several examples in each (best-fit decreasing, TRL's, over each PACK_BATCH rows), written to
+    `path`; seq_lengths keeps their boundaries for attention."""
+    from trl.data_utils import pack_dataset
+
+    return pack_dataset(rows, max_length, strategy="bfd", map_kwargs={"cache_file_name": path,
+                                                                       "batch_size": PACK_BATCH})
 
 
 def _chunks(tasks: list, encoder: RowEncoder, processes: int):
     """Each task's _Chunk, in order: here for small splits, else on worker processes."""
     global _worker_encoder
     _worker_encoder = encoder
-    if processes <= 1 or len(tasks) * CHUNK_ROWS < PARALLEL_FROM:
+    if processes <= 1 or sum(len(offsets) for _, _, offsets, *_ in tasks) < PARALLEL_FROM:
         yield from map(_encode_chunk, tasks)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread

@@ -62,7 +62,7 @@ def prepare_into(recipe: Recipe, tokenizer, template: str | None,
     folder = cache if into is None or remote else Path(into.removeprefix("file://")).expanduser()
     if into is not None and not remote:
         prepared_folder.check_target(folder)
-    made = prepared_folder.read_inputs(folder) != inputs
+    made = not prepared_folder.matches(prepared_folder.read_inputs(folder), inputs)
     if made:
         started = time.monotonic()
         _build(folder, inputs, recipe, tokenizer, template, train_sources, eval_sources)
@@ -176,14 +176,13 @@ def _build_rows(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template,
 
 def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder, spool, train_examples, eval_examples,
                    bad) -> dict:
-    """Encode both splits into `staging` (rows stream to disk), check the rows, pack; the report."""
-    data, max_length = recipe.data, recipe.train_setting("max_length")
+    """Encode and pack both splits into shards in `staging` (train/, eval/), check the rows; the report."""
+    data, max_length, packing = recipe.data, recipe.train_setting("max_length"), recipe.train_setting("packing")
     too_long: list[str] = []
     processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
-    train_table, train_stats = encoding.encode_split(train_examples, spool, encoder, max_length, bad, too_long,
-                                                     staging / "train-rows", processes, "train")
-    eval_table, eval_stats = encoding.encode_split(eval_examples, spool, encoder, max_length, bad, too_long,
-                                                   staging / "eval-rows", processes, "eval")
+    splits = {name: encoding.encode_split(examples, spool, encoder, max_length, packing, bad, too_long,
+                                          staging / name, processes, name)
+              for name, examples in (("train", train_examples), ("eval", eval_examples))}
     bad.sort(key=_in_file_order(bad))  # read (JSON, format) and encoded (template, masks) rows in one order
     if bad and data.bad_rows == "fail":
         raise bad_rows_error(bad)
@@ -192,31 +191,24 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
             too_long, f"longer than train.max_length ({max_length}) before any token that carries loss",
             "Raise train.max_length, shorten them, or set data.too_long=drop to leave them out (the count is "
             "reported)")
-    if not len(train_table):
-        raise _no_usable_rows(len(train_examples) + len(bad), train_stats["dropped_no_trained_tokens"], len(bad),
-                              max_length, train_stats["length_percentiles"])
-
+    train = splits["train"]
+    if not train.rows:
+        raise _no_usable_rows(len(train_examples) + len(bad), train.stats["dropped_no_trained_tokens"], len(bad),
+                              max_length, train.stats["length_percentiles"])
     report = {
         "stage": recipe.stage,
-        "rows": {"train": len(train_table), "eval": len(eval_table)},
+        "rows": {name: split.rows for name, split in splits.items()},
         "bad_rows": {"count": len(bad), "shown": bad[:SHOWN_BAD_ROWS], "policy": data.bad_rows},
-        "train": train_stats,
-        "eval": eval_stats,
+        **{name: split.stats for name, split in splits.items()},
         "max_length": max_length,
-        "example": encoder.marked(train_table[0], lambda ids, labels: _marked_example(tokenizer, ids, labels)),
+        "example": encoder.marked(train.first_row, lambda ids, labels: _marked_example(tokenizer, ids, labels)),
     }
-    for name, table in {"train": train_table, "eval": eval_table}.items():
-        if not len(table):
-            continue
-        if recipe.train_setting("packing"):
-            table = _pack(table, max_length)
-            report[name]["packed_rows"] = len(table)
-            report[name]["packed_fill"] = report[name]["tokens"] / (len(table) * max_length)
-        table.save_to_disk(str(staging / name))
+    for name, split in splits.items():
+        if packing and split.rows:
+            report[name]["packed_rows"] = split.packed_rows
+            report[name]["packed_fill"] = split.stats["tokens"] / (split.packed_rows * max_length)
     pool = [{"where": spool.where(index), **answer_example(spool.get(index))} for index in eval_examples[:SAMPLE_POOL]]
     (staging / prepared_folder.EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
-    for rows in staging.glob("*-rows"):  # the encoded rows and packing's cache, now saved above
-        shutil.rmtree(rows)
     return report
 
 
@@ -335,13 +327,6 @@ def _check_one_format(source, found: dict[str, str]) -> None:
             f"{other_format} rows. Move the stray file out, or list the files in data.train one by one (each file "
             "may have a format of its own)"
         )
-
-
-def _pack(table, max_length: int):
-    """Several examples per row (best-fit decreasing, TRL's); seq_lengths keeps their boundaries for attention."""
-    from trl.data_utils import pack_dataset
-
-    return pack_dataset(table, max_length, strategy="bfd")
 
 
 def _marked_example(tokenizer, ids: list[int], labels: list[int]) -> str:

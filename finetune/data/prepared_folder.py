@@ -1,6 +1,6 @@
 """A folder of prepared data, and what produced it.
 
-    train/               the training rows: Arrow shards (datasets' save_to_disk), memory-mapped when read
+    train/               the training rows: Arrow shards (000000.arrow, ...), in order, memory-mapped when read
     eval/                the eval rows, when there is an eval split
     report.json          what happened to the data: rows, tokens, bad rows, lengths, one marked example
     eval_examples.json   the first held-out examples, normalized (the prompts of eval.samples)
@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,18 +65,27 @@ def inputs_of(recipe, tokenizer, template: str | None, train_sources: list, eval
                      "train.max_length": recipe.train_setting("max_length"),
                      "train.packing": recipe.train_setting("packing"), "train.seed": recipe.train_setting("seed"),
                      "stage": recipe.stage},
-        "tokenizer": {"from": recipe.model.name_or_path, "sha256": _sha256(
-            [tokenizer.backend_tokenizer.to_str(), tokenizer.special_tokens_map])},
+        "tokenizer": {"sha256": _sha256([tokenizer.backend_tokenizer.to_str(), tokenizer.special_tokens_map])},
         "template": {"sha256": _sha256(template)},
         "code": {"sha256": _sha256(code),
                  # rendering and masks (transformers, tokenizers), packing and training templates (trl), the format
                  # on disk (datasets)
                  "libraries": {name: version(name) for name in ("trl", "transformers", "tokenizers", "datasets")}},
+        "about": {"tokenizer": recipe.model.name_or_path},  # for messages: the same tokenizer may load from elsewhere
     }
 
 
 def key_of(inputs: dict[str, Any]) -> str:
-    return _sha256(inputs)[:24]
+    return _sha256(_compared(inputs))[:24]
+
+
+def matches(found: dict[str, Any] | None, inputs: dict[str, Any]) -> bool:
+    """Whether a folder prepared from `found` holds the rows `inputs` would give."""
+    return found is not None and _compared(found) == _compared(inputs)
+
+
+def _compared(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in inputs.items() if key != "about"}
 
 
 def _sha256(value) -> str:
@@ -95,8 +105,8 @@ def differences(prepared: dict[str, Any], now: dict[str, Any], with_data: bool) 
         if prepared["settings"].get(key) != value:
             lines.append(f"{key}: prepared with {prepared['settings'].get(key)!r}, the recipe has {value!r}")
     if prepared["tokenizer"]["sha256"] != now["tokenizer"]["sha256"]:
-        lines.append(f"the tokenizer: prepared with {prepared['tokenizer']['from']}'s, which differs from "
-                     f"{now['tokenizer']['from']}'s")
+        lines.append(f"the tokenizer: prepared with {prepared['about']['tokenizer']}'s, which differs from "
+                     f"{now['about']['tokenizer']}'s")
     if prepared["template"] != now["template"]:
         lines.append("the chat template: prepared with another one (model.chat_template or the tokenizer's)")
     if prepared["code"] != now["code"]:
@@ -117,12 +127,14 @@ def read_inputs(folder: Path) -> dict[str, Any] | None:
 
 
 def staging(folder: Path) -> Path:
-    """A new staging folder for `folder`, beside it; those of earlier preparations killed half-way are removed."""
+    """A new staging folder for `folder`, beside it; those that earlier preparations on this machine left when they
+    were killed half-way are removed (a folder on a shared filesystem may be another machine's, still at work)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    for stale in folder.parent.glob(f".{folder.name}.prepare-*"):
+    host = socket.gethostname()
+    for stale in folder.parent.glob(f".{folder.name}.prepare-{host}-*"):
         if not _alive(int(stale.name.rsplit("-", 1)[1])):
             shutil.rmtree(stale, ignore_errors=True)
-    path = folder.parent / f".{folder.name}.prepare-{os.getpid()}"
+    path = folder.parent / f".{folder.name}.prepare-{host}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir()
     return path
@@ -133,8 +145,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 
@@ -143,7 +155,7 @@ def publish(staged: Path, folder: Path, inputs: dict[str, Any]) -> None:
     the same preparation first wins."""
     (staged / INPUTS).write_text(json.dumps(inputs, indent=1), encoding="utf-8")
     if folder.exists():
-        if read_inputs(folder) == inputs:  # another process prepared the same, first
+        if matches(read_inputs(folder), inputs):  # another process prepared the same, first
             shutil.rmtree(staged)
             return
         replaced = folder.parent / f".{folder.name}.replaced-{os.getpid()}"
@@ -164,13 +176,18 @@ def check_target(folder: Path) -> None:
 
 
 def load(folder: Path) -> PreparedData:
+    report = json.loads((folder / REPORT).read_text(encoding="utf-8"))
+    evaluation = _shards(folder / "eval") if (folder / "eval").is_dir() else None
+    examples = json.loads((folder / EVAL_EXAMPLES).read_text(encoding="utf-8"))
+    return PreparedData(_shards(folder / "train"), evaluation, report, examples)
+
+
+def _shards(folder: Path):
+    """A split's shards as one Dataset, memory-mapped: rows are read where they lie, none copied."""
     import datasets
 
-    report = json.loads((folder / REPORT).read_text(encoding="utf-8"))
-    train = datasets.load_from_disk(str(folder / "train"))
-    evaluation = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
-    examples = json.loads((folder / EVAL_EXAMPLES).read_text(encoding="utf-8"))
-    return PreparedData(train, evaluation, report, examples)
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(path))
+                                          for path in sorted(folder.glob("*.arrow"))])
 
 
 def local_copy(location: str, cache: Path) -> Path:
@@ -187,7 +204,7 @@ def local_copy(location: str, cache: Path) -> Path:
         raise UserError(f"data.prepared: {location} has no {INPUTS}: not a complete prepared folder (run finetune "
                         "prepare RECIPE --out to it)")
     local = cache / f"prepared-{key_of(inputs)}"
-    if read_inputs(local) != inputs:
+    if not matches(read_inputs(local), inputs):
         staged = staging(local)
         filesystem.get(f"{path}/", str(staged), recursive=True)
         (staged / INPUTS).unlink()  # publish writes it last
@@ -202,7 +219,7 @@ def upload(folder: Path, location: str) -> bool:
 
     filesystem, path = fsspec.core.url_to_fs(location)
     path = path.rstrip("/")
-    if read_inputs(folder) == _remote_inputs(filesystem, path):
+    if matches(_remote_inputs(filesystem, path), read_inputs(folder)):
         return False
     if filesystem.exists(f"{path}/{INPUTS}"):
         filesystem.rm(f"{path}/{INPUTS}")

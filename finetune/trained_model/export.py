@@ -120,7 +120,8 @@ def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script:
     tokenizer = AutoTokenizer.from_pretrained(staging)
     with tempfile.TemporaryDirectory(dir=staging.parent) as scratch:
         if merged:
-            target, reference, base_gguf = _convert_model(script, staging, Path(scratch), gguf_type)
+            target, reference, base_gguf = _convert_model(script, staging, Path(scratch), gguf_type,
+                                                          gguf.adds_bos(tokenizer))
             model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32,
                                                          **({"attn_implementation": attention} if attention else {}))
         else:
@@ -138,15 +139,15 @@ def _write_and_check_gguf(source: saved_model.SavedModel, staging: Path, script:
     return target, found
 
 
-def _convert_model(script: Path, staging: Path, scratch: Path, gguf_type: str) -> tuple[Path, Path, None]:
+def _convert_model(script: Path, staging: Path, scratch: Path, gguf_type: str, bos: bool) -> tuple[Path, Path, None]:
     """The export as model-TYPE.gguf in `staging`, and an f32 GGUF to check it against (itself, for f32)."""
     target = staging / f"model-{gguf_type}.gguf"
     reference = target if gguf_type == "f32" else scratch / "model-f32.gguf"
-    gguf.convert(script, staging, reference, "f32")
+    gguf.convert(script, staging, reference, "f32", bos)
     if gguf_type in gguf.QUANTIZED_BY_THE_BINDINGS:
         gguf.quantize(reference, target, gguf_type)
     elif gguf_type != "f32":
-        gguf.convert(script, staging, target, gguf_type)
+        gguf.convert(script, staging, target, gguf_type, bos)
     return target, reference, None
 
 
@@ -159,7 +160,7 @@ def _convert_adapter(source: saved_model.SavedModel, base_model: str | None, scr
     target = staging / f"adapter-{gguf_type}.gguf"
     reference, base_gguf = target if gguf_type == "f32" else scratch / "adapter-f32.gguf", scratch / "base-f32.gguf"
     model = _base_with_the_runs_tokenizer(source, base_model, staging, tokenizer, scratch / "base")
-    gguf.convert(script, scratch / "base", base_gguf, "f32")
+    gguf.convert(script, scratch / "base", base_gguf, "f32", gguf.adds_bos(tokenizer))
     for kind, file in {"f32": reference, gguf_type: target}.items():
         gguf.convert_adapter(script, staging, scratch / "base", file, kind)
     return target, reference, base_gguf, PeftModel.from_pretrained(model, staging)

@@ -115,7 +115,7 @@ def convertible(script: Path, config, tokenizer) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        convert(script, Path(scratch), Path(scratch) / "vocab.gguf", "f32", "--vocab-only")
+        convert(script, Path(scratch), Path(scratch) / "vocab.gguf", "f32", adds_bos(tokenizer), "--vocab-only")
 
 
 def adapter_convertible(script: Path, adapter: Path, config, tokenizer) -> None:
@@ -129,22 +129,21 @@ def adapter_convertible(script: Path, adapter: Path, config, tokenizer) -> None:
         convert_adapter(script, adapter, Path(scratch), Path(scratch) / "adapter.gguf", "f32", "--dry-run")
 
 
-def convert(script: Path, folder: Path, target: Path, outtype: str, *extra: str) -> None:
-    """The folder as a GGUF by llama.cpp's converter (f32, f16, bf16 or q8_0).
+def convert(script: Path, folder: Path, target: Path, outtype: str, bos: bool, *extra: str) -> None:
+    """The folder as a GGUF by llama.cpp's converter (f32, f16, bf16 or q8_0); `bos`: whether its tokenizer adds
+    one (adds_bos).
 
     The converter reads whether the tokenizer adds a BOS from tokenizer_config.json's add_bos_token, which
     transformers leaves out where it is false; llama.cpp then assumes one for a SentencePiece-style vocabulary (the
     builtin models'), and a runtime would put a second BOS before a template that writes it. So the converter reads
     the folder through a view of links whose tokenizer_config.json says what the tokenizer does."""
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory() as scratch:
         view = Path(scratch)
         for item in folder.iterdir():
             (view / item.name).symlink_to(item.resolve())
         settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         if "add_bos_token" not in settings:
-            settings["add_bos_token"] = adds_bos(AutoTokenizer.from_pretrained(folder))
+            settings["add_bos_token"] = bos
             (view / "tokenizer_config.json").unlink()
             (view / "tokenizer_config.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
         _run_converter([str(script), str(view)], target, outtype, extra, "this model")
