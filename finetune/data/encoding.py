@@ -103,8 +103,11 @@ _worker_encoder: RowEncoder | None = None  # a worker process's encoder
 
 
 def _start_worker(encoder: RowEncoder) -> None:
+    import datasets
+
     global _worker_encoder
     _worker_encoder = encoder
+    datasets.disable_progress_bars()  # packing's; the main process says how far the workers are
 
 
 def _encode_chunk(task: tuple[str, str, array, int, bool]) -> _Chunk:
