@@ -8,7 +8,7 @@ real Llama 3.2 tokenizer and chat template, each case in a fresh process:
              TRL's SFTTrainer dataset preparation with its defaults (chat template, tokenization, loss on every
              token: TRL refuses assistant-only masks with this template; packing), on --processes processes each
              (data.num_proc, dataset_num_proc), at each of --sizes conversations (TRL up to --trl-max). Peak memory:
-             the preparing process's resident peak above what it held before, and the largest worker's peak.
+             the preparing process's resident peak, and above what it held before, and the largest worker's peak.
   train      two DDP processes on the CPU train the throughput benchmark's tiny model for --train-steps steps on
              the first size's conversations, from data.train (the preparation training does itself) and from
              data.prepared (the shards): tokens per second of each, after the first steps.
@@ -54,7 +54,7 @@ def write_conversations(path: Path, count: int) -> None:
 def _peaks(before: int) -> dict:
     from finetune.training.probe import _resident_peak
 
-    return {"memory": _resident_peak() - before,
+    return {"peak_memory": _resident_peak(), "memory": _resident_peak() - before,
             "workers_memory": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {"prepare": [], "train": None, "resume": None}
     print(f"{'conversations':>13} {'way':<9} {'procs':>5} {'rows/s':>8} {'seconds':>8} {'peak MiB':>9} "
-          f"{'worker MiB':>10} {'disk MiB':>9}", flush=True)
+          f"{'added MiB':>9} {'worker MiB':>10} {'disk MiB':>9}", flush=True)
     with tempfile.TemporaryDirectory(prefix="finetune-data-prep-") as tmp:
         sizes = list(map(int, args.sizes.split(",")))
         for size in sizes:
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                               **run_case(way, str(data), str(processes), str(scratch))}
                     results["prepare"].append(result)
                     print(f"{size:>13,} {way:<9} {processes:>5} {size / result['seconds']:>8,.0f} "
-                          f"{result['seconds']:>8.1f} {result['memory'] / 2**20:>9,.0f} "
+                          f"{result['seconds']:>8.1f} {result['peak_memory'] / 2**20:>9,.0f} "
+                          f"{result['memory'] / 2**20:>9,.0f} "
                           f"{result['workers_memory'] / 2**20:>10,.0f} {result['disk'] / 2**20:>9,.0f}", flush=True)
             if size != sizes[-1]:
                 data.unlink()

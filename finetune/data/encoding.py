@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import time
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,13 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
     size = PACK_BATCH * min(max(math.ceil(len(examples) / (MOST_CHUNKS_PER_SPLIT * PACK_BATCH)), 1),
                             LARGEST_CHUNK // PACK_BATCH)
     starts = range(0, len(examples), size)
-    tasks = [(str(folder / f"{number:06d}.arrow"), spool.file.name,
+    tasks = ((str(folder / f"{number:06d}.arrow"), spool.file.name,
               array("q", (spool.offsets[index] for index in examples[start:start + size])), max_length, packing)
-             for number, start in enumerate(starts)]
+             for number, start in enumerate(starts))  # made as the workers take them
     total = _Chunk()
     progress = _Progress(split, len(examples))
-    for start, chunk in zip(starts, _chunks(tasks, encoder, processes)):
+    parallel = processes > 1 and len(examples) >= PARALLEL_FROM
+    for start, chunk in zip(starts, _chunks(tasks, encoder, processes if parallel else 1)):
         chunk_examples = examples[start:start + size]
         progress.advance(len(chunk_examples))
         bad += [f"{spool.where(chunk_examples[at])}: {reason}" for at, reason in chunk.bad]
@@ -77,7 +79,7 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
 class _Chunk:
     """What encoding a chunk of examples gave, besides its shard: counts, its first row, and where its bad and too
     long rows are in it."""
-    lengths: array = field(default_factory=lambda: array("q"))  # of each encoded example, before truncation
+    lengths: Counter = field(default_factory=Counter)  # how many encoded examples have each length (untruncated)
     rows: int = 0
     packed_rows: int = 0
     truncated: int = 0  # rows kept, cut short; the dropped ones are counted apart
@@ -89,7 +91,7 @@ class _Chunk:
     too_long: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, other: _Chunk) -> None:
-        self.lengths += other.lengths
+        self.lengths.update(other.lengths)
         self.rows += other.rows
         self.packed_rows += other.packed_rows
         self.truncated += other.truncated
@@ -126,11 +128,11 @@ def _encode_chunk(task: tuple[str, str, array, int, bool]) -> _Chunk:
                 chunk.bad.append((at, str(reason)))
                 continue
             counts = encoder.counts(encoded)
-            chunk.lengths.append(counts[0])
+            chunk.lengths[counts[0]] += 1
             row, cut = encoder.fit(encoded, max_length)
             if row is None:
                 chunk.untrainable += 1
-                chunk.too_long.append((at, chunk.lengths[-1]))
+                chunk.too_long.append((at, counts[0]))
                 continue
             chunk.truncated += cut
             _, row_tokens, row_trained = encoder.counts(row) if cut else counts
@@ -160,11 +162,11 @@ def pack(rows, max_length: int, path: str):
                                                                        "batch_size": PACK_BATCH})
 
 
-def _chunks(tasks: list, encoder: RowEncoder, processes: int):
-    """Each task's _Chunk, in order: here for small splits, else on worker processes."""
+def _chunks(tasks, encoder: RowEncoder, processes: int):
+    """Each task's _Chunk, in order: here for one process, else on worker processes."""
     global _worker_encoder
     _worker_encoder = encoder
-    if processes <= 1 or sum(len(offsets) for _, _, offsets, *_ in tasks) < PARALLEL_FROM:
+    if processes <= 1:
         yield from map(_encode_chunk, tasks)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
@@ -215,11 +217,26 @@ class _Progress:
         logger.info(line)
 
 
-def _percentiles(lengths: array) -> dict[str, int]:
-    import numpy
-
+def _percentiles(lengths: Counter) -> dict[str, int]:
+    """p50, p90, p99 (interpolated between the nearest lengths, as numpy's default) and max, from how many examples
+    have each length: exact, in memory that does not grow with the rows."""
     if not lengths:
         return {}
-    values = numpy.frombuffer(lengths, dtype=numpy.int64)  # no Python int per row
-    p50, p90, p99 = numpy.percentile(values, [50, 90, 99])  # interpolated between the nearest lengths
-    return {"p50": round(p50), "p90": round(p90), "p99": round(p99), "max": int(values.max())}
+    ordered = sorted(lengths.items())
+    rows = sum(lengths.values())
+
+    def nth(n: int) -> int:  # the n-th smallest length, from 0
+        seen = 0
+        for length, count in ordered:
+            seen += count
+            if n < seen:
+                return length
+        return ordered[-1][0]
+
+    def percentile(q: int) -> float:
+        position = q / 100 * (rows - 1)
+        low = int(position)
+        return nth(low) + (position - low) * (nth(min(low + 1, rows - 1)) - nth(low))
+
+    return {"p50": round(percentile(50)), "p90": round(percentile(90)), "p99": round(percentile(99)),
+            "max": ordered[-1][0]}
