@@ -55,7 +55,9 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
     total = _Chunk()
     progress = _Progress(split, len(examples))
     parallel = processes > 1 and len(examples) >= PARALLEL_FROM
-    for start, chunk in zip(starts, _chunks(tasks, encoder, processes if parallel else 1)):
+    # the chunks first: zip ends on them, after their pool has closed (ended on `starts`, it would leave the pool to
+    # the garbage collector, which terminates it, and its semaphores are said to leak)
+    for chunk, start in zip(_chunks(tasks, encoder, processes if parallel else 1), starts):
         chunk_examples = examples[start:start + size]
         progress.advance(len(chunk_examples))
         bad += [f"{spool.where(chunk_examples[at])}: {reason}" for at, reason in chunk.bad]
