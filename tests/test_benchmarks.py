@@ -88,12 +88,12 @@ def test_serve_script_times_batched_against_one_at_a_time(tmp_path):
     assert f"{results['one_at_a_time_s']:.2f} / {results['batched_s']:.2f} = {results['speedup']}x" in result.stdout
 
 
-def test_data_prep_script_prepares_trains_from_the_shards_and_resumes(tmp_path):
+def test_data_prep_script_prepares_and_resumes(tmp_path):
+    """(Its DDP training comparison, two 2-process runs, is left to the script's own runs: minutes of CI.)"""
     result, results = benchmark("data_prep.py", tmp_path / "data_prep.json", "--sizes", "300,600", "--trl-max", "300",
-                                "--train-steps", "3")
+                                "--train-steps", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["size"], r["way"]) for r in results["prepare"]] == [(300, "finetune"), (300, "TRL"), (600, "finetune")]
-    assert all(r["seconds"] > 0 and r["disk"] > 0 for r in results["prepare"])
-    assert results["train"]["from_data"] > 0 and results["train"]["from_prepared"] > 0
-    assert set(results["resume"]["seconds"]) == {"10", "10000"}
-    assert "tokens/s from the prepared shards" in result.stdout and "resume at step 10,000" in result.stdout
+    assert all(r["seconds"] > 0 and r["disk"] > 0 and r["peak_memory"] > 0 for r in results["prepare"])
+    assert results["train"] is None and set(results["resume"]["seconds"]) == {"10", "10000"}
+    assert "resume at step 10,000" in result.stdout
