@@ -22,8 +22,8 @@ from pathlib import Path
 from finetune import builtin
 from finetune.data import encoding, formats, prepared_folder, sources
 from finetune.data.formats import BadRow
-from finetune.data.spool import Spool
 from finetune.data.prepared_folder import PreparedData
+from finetune.data.spool import Spool
 from finetune.data.render import IGNORE, Renderer
 from finetune.data.stage_rows import RowEncoder, answer_example
 from finetune.errors import UserError
@@ -57,9 +57,9 @@ def prepare_into(recipe: Recipe, tokenizer, template: str | None,
     if not train_sources:
         raise UserError("data.train is required to prepare data (a file, a folder, or a Hub dataset name)")
     inputs = prepared_folder.inputs_of(recipe, tokenizer, template, train_sources, eval_sources)
-    remote = into is not None and "://" in into and not into.startswith("file://")
+    remote = into is not None and prepared_folder.is_url(into)
     cache = builtin.home() / "data" / prepared_folder.key_of(inputs)
-    folder = cache if into is None or remote else Path(into.removeprefix("file://")).expanduser()
+    folder = cache if into is None or remote else prepared_folder.local_path(into)
     if into is not None and not remote:
         prepared_folder.check_target(folder)
     made = not prepared_folder.matches(prepared_folder.read_inputs(folder), inputs)

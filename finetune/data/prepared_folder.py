@@ -190,11 +190,20 @@ def _shards(folder: Path):
                                           for path in sorted(folder.glob("*.arrow"))])
 
 
+def is_url(location: str) -> bool:
+    """Whether `location` is a URL that fsspec reaches (s3://, gs://, ...), not a path here (file:// is one)."""
+    return "://" in location and not location.startswith("file://")
+
+
+def local_path(location: str) -> Path:
+    return Path(location.removeprefix("file://")).expanduser()
+
+
 def local_copy(location: str, cache: Path) -> Path:
     """A local folder for `location`: itself, or for a URL (s3://, gs://, ... through fsspec) a copy in `cache`,
     made once per machine and read memory-mapped like a local folder."""
-    if "://" not in location or location.startswith("file://"):
-        return Path(location.removeprefix("file://")).expanduser()
+    if not is_url(location):
+        return local_path(location)
     import fsspec
 
     filesystem, path = fsspec.core.url_to_fs(location)
