@@ -41,7 +41,7 @@ class Encoded:
 
 def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, packing: bool, bad: list[str],
                  too_long: list[str], folder: Path, processes: int, split: str) -> Encoded:
-    """Encode `examples` (their indices in `spool`) into shards in `folder`, a chunk of rows each, on `processes`
+    """Encode `examples` (their offsets in `spool`) into shards in `folder`, a chunk of rows each, on `processes`
     worker processes for large splits, saying how far it is. A chunk holds a whole number of PACK_BATCH rows, so
     rows are packed in the same batches however many processes encode them."""
     folder.mkdir()
@@ -49,8 +49,7 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
     size = PACK_BATCH * min(max(math.ceil(len(examples) / (MOST_CHUNKS_PER_SPLIT * PACK_BATCH)), 1),
                             LARGEST_CHUNK // PACK_BATCH)
     starts = range(0, len(examples), size)
-    tasks = ((str(folder / f"{number:06d}.arrow"), spool.file.name,
-              array("q", (spool.offsets[index] for index in examples[start:start + size])), max_length, packing)
+    tasks = ((str(folder / f"{number:06d}.arrow"), spool.file.name, examples[start:start + size], max_length, packing)
              for number, start in enumerate(starts))  # made as the workers take them
     total = _Chunk()
     progress = _Progress(split, len(examples))
@@ -103,14 +102,12 @@ class _Chunk:
         self.first_row = self.first_row or other.first_row
 
 
-_worker_encoder: RowEncoder | None = None  # a worker process's encoder
+_worker_encoder: RowEncoder | None = None  # the split's encoder, which the worker processes fork with
 
 
-def _start_worker(encoder: RowEncoder) -> None:
+def _start_worker() -> None:
     import datasets
 
-    global _worker_encoder
-    _worker_encoder = encoder
     datasets.disable_progress_bars()  # packing's; the main process says how far the workers are
 
 
@@ -172,8 +169,9 @@ def _chunks(tasks, encoder: RowEncoder, processes: int):
         yield from map(_encode_chunk, tasks)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
-    # spawned, not forked: a fork of this process (torch's and the tokenizer's threads) can inherit a held lock
-    pool = multiprocessing.get_context("spawn").Pool(processes, _start_worker, (encoder,))
+    # forked, as datasets' map forks: a spawned worker imports transformers again, seconds each before its first row.
+    # The workers run no torch op and tokenize on one thread, so no lock of those libraries' threads is inherited.
+    pool = multiprocessing.get_context("fork").Pool(processes, _start_worker)
     try:
         yield from pool.imap(_encode_chunk, tasks)
     except BaseException:

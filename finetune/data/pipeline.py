@@ -207,7 +207,8 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
         if packing and split.rows:
             report[name]["packed_rows"] = split.packed_rows
             report[name]["packed_fill"] = split.stats["tokens"] / (split.packed_rows * max_length)
-    pool = [{"where": spool.where(index), **answer_example(spool.get(index))} for index in eval_examples[:SAMPLE_POOL]]
+    pool = [{"where": spool.where(example), **answer_example(spool.get(example))}
+            for example in eval_examples[:SAMPLE_POOL]]
     (staging / prepared_folder.EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
     return report
 
@@ -228,7 +229,7 @@ def _hold_out(examples: array, fraction: float, seed: int) -> tuple[array, array
     """(train, eval): a random `fraction` of the examples, at least one, held out for evaluation."""
     if not fraction:
         return examples, []
-    order = list(range(len(examples)))
+    order = array("q", range(len(examples)))  # 8 bytes an example; a list of ints would be about 36
     random.Random(seed).shuffle(order)
     held_out = set(order[: max(1, round(len(order) * fraction))])
     return (array("q", (e for i, e in enumerate(examples) if i not in held_out)),
@@ -266,7 +267,7 @@ def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
 
 
 def read_examples(source_list, data, bad: list[str], spool: Spool, stage: str = "sft") -> array:
-    """The indices in `spool` of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
+    """The offsets in `spool` of every usable row, normalized for `stage` (kto: a pair becomes its chosen answer,
     desirable, and its rejected one; "any": the rows of any format, SFT's or preference data); the others go to
     `bad` as 'where: reason'."""
     examples = array("q")

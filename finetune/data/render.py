@@ -206,13 +206,15 @@ class Renderer:
         text = self._text(messages, tools)
         if self._backend:
             encoding = self._backend.encode(text, add_special_tokens=False)
-            ids, offsets = encoding.ids, encoding.offsets
+            ids = encoding.ids
+            added = [at for at, token in enumerate(ids) if token in self._special_ids]
+            spans = [encoding.token_to_chars(at) for at in added]
         else:
             encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
-        added = [(start, end) for token, (start, end) in zip(ids, offsets) if token in self._special_ids]
-        return _Rendered(text, ids, [start for start, _ in offsets], [start for start, _ in added],
-                         [end for _, end in added])
+            ids = list(encoding["input_ids"])
+            added = [at for at, token in enumerate(ids) if token in self._special_ids]
+            spans = [encoding["offset_mapping"][at] for at in added]
+        return _Rendered(text, ids, added, [start for start, _ in spans], [end for _, end in spans])
 
     def _prefix_length(self, full: _Rendered, messages: list[dict], tools: list | None, index: int,
                        add_generation_prompt: bool = False) -> int:
@@ -221,14 +223,12 @@ class Renderer:
 
         Tokenizers split text at added (special) tokens first and tokenize each piece on its own, so the prefix's
         tokens are the full text's tokens up to the prefix's last added token, followed by the tokens of the rest
-        of the prefix: only that rest is tokenized here."""
+        of the prefix from that added token on: only that rest is tokenized here."""
         text = self._text(messages, tools, add_generation_prompt)
         last_added = bisect.bisect_right(full.added_ends, len(text)) - 1  # the prefix's last added token
-        cut = full.added_starts[last_added] if last_added >= 0 else 0
-        first = bisect.bisect_left(full.starts, cut)
+        cut, first = (full.added_starts[last_added], full.added[last_added]) if last_added >= 0 else (0, 0)
         tail = self._ids(text[cut:])
-        if not full.text.startswith(text) or (cut and (first == len(full.starts) or full.starts[first] != cut)) \
-                or full.ids[first:first + len(tail)] != list(tail):
+        if not full.text.startswith(text) or full.ids[first:first + len(tail)] != list(tail):
             side = "before" if add_generation_prompt else "through"
             raise BadRow(
                 f"message {index + 1}: the chat template renders the conversation {side} this turn differently "
@@ -279,11 +279,12 @@ def _plain_backend(tokenizer):
 
 @dataclass
 class _Rendered:
-    """A conversation rendered as text and tokenized, with where each token starts in the text."""
+    """A conversation rendered as text and tokenized, with its added (special) tokens: their places among the
+    tokens, and where each starts and ends in the text."""
     text: str
     ids: list[int]
-    starts: list[int]
-    added_starts: list[int]  # where the added (special) tokens among them start and end
+    added: list[int]
+    added_starts: list[int]
     added_ends: list[int]
 
 

@@ -1,13 +1,12 @@
-"""Normalized examples, with where each comes from (file and row), kept in a file while the data is prepared:
-memory holds an offset per example, so it does not grow with the rows' sizes, and worker processes read the
-examples they encode from the file themselves."""
+"""Normalized examples, with where each comes from (file and row), kept in a file while the data is prepared: an
+example is known by its offset in the file, so memory holds one number per example whatever the rows' sizes, and
+worker processes read the examples they encode from the file themselves."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import tempfile
-from array import array
 from pathlib import Path
 
 from finetune.data.stage_rows import answer_example
@@ -16,7 +15,6 @@ from finetune.data.stage_rows import answer_example
 class Spool:
     def __init__(self, folder: Path | None = None):
         self.file = tempfile.NamedTemporaryFile(dir=folder, prefix=".examples-")
-        self.offsets = array("q")
         self.conversations = False  # whether any example needs a chat template
 
     def __enter__(self):
@@ -26,17 +24,17 @@ class Spool:
         self.file.close()
 
     def add(self, example: dict, where: str) -> int:
-        self.file.seek(0, os.SEEK_END)
-        self.offsets.append(self.file.tell())
+        """The example's offset in the file, by which it is read back."""
+        offset = self.file.seek(0, os.SEEK_END)
         pickle.dump((where, example), self.file)
         self.conversations = self.conversations or "messages" in answer_example(example)
-        return len(self.offsets) - 1
+        return offset
 
-    def get(self, index: int) -> dict:
-        return read_at(self.file, self.offsets[index])[1]
+    def get(self, offset: int) -> dict:
+        return read_at(self.file, offset)[1]
 
-    def where(self, index: int) -> str:
-        return read_at(self.file, self.offsets[index])[0]
+    def where(self, offset: int) -> str:
+        return read_at(self.file, offset)[0]
 
 
 def read_at(handle, offset: int) -> tuple[str, dict]:

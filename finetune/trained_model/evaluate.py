@@ -96,7 +96,7 @@ def load_examples(spec: str, data_section, limit: int | None = None) -> list[Exa
             raise bad_rows_error(bad)
         if not found:
             raise UserError(f"--data {spec}: no rows")
-        examples = [split_example(spool.where(index), answer_example(spool.get(index))) for index in found]
+        examples = [split_example(spool.where(example), answer_example(spool.get(example))) for example in found]
     return examples[:limit] if limit else examples
 
 
