@@ -26,6 +26,11 @@ def accelerate_configs_dir() -> Path:
     return _shipped("accelerate_configs", "accelerate_configs")
 
 
+def eval_tasks_dir() -> Path:
+    """The toolkit's own lm-evaluation-harness tasks (a package folder: installed as it is)."""
+    return _PACKAGE / "eval_tasks"
+
+
 def _find(name_or_path: str | Path, folder: Path, what: str) -> Path:
     path = Path(name_or_path)
     if path.is_file() or path.is_dir():

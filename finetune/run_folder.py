@@ -34,6 +34,7 @@ from finetune.errors import UserError
 CONFIG_NAME = "finetune.yaml"
 PROGRESS_NAME = "progress.jsonl"
 LOG_NAME = "train.log"
+DATA_CHECKS_NAME = "data_checks.json"  # what the data checks looked for and found (data/integrity.py)
 FINAL_NAME = "final"
 LOCK_NAME = ".lock"
 STOP_NAME = ".stop"
@@ -234,6 +235,9 @@ class RunFolder:
 
     def save_recipe(self, recipe_yaml: str, folder: Path | None = None) -> None:
         _write_atomically((folder or self.path) / CONFIG_NAME, recipe_yaml)
+
+    def save_data_checks(self, checks: dict[str, Any]) -> None:
+        _write_atomically(self.path / DATA_CHECKS_NAME, json.dumps(checks, indent=1))
 
     def append(self, row: dict[str, Any]) -> None:
         with open(self.progress_path, "a", encoding="utf-8") as handle:

@@ -207,12 +207,16 @@ def test_a_run_on_a_mixture_of_sources_exports_and_its_card_names_no_local_path(
                f"fraction: 0.5}}, {{path: {tmp_path / 'c.jsonl'}, weight: 2}}]")
     run = tmp_path / "mix"
     trained = train_here("quickstart", mixture, "method=lora", "train.max_steps=1", "train.eval_on_start=false",
-                      "data.eval_fraction=0", "train.save_strategy=no", "eval.samples=0", f"output_dir={run}")
+                      "data.eval_fraction=0", "train.save_strategy=no", "eval.samples=0", f"output_dir={run}",
+                      f"data.decontaminate=[{tmp_path / 'a.jsonl'}]", "data.contaminated=report")
     assert trained.returncode == 0, trained.stderr[-3000:]
+    checks = json.loads((run / "data_checks.json").read_text())
+    assert checks["contamination"]["rows"] == 30 + 20 + 40  # a.jsonl's rows in each source's share
     code, out, err = cli_here(capsys, "export", str(run), "--out", str(tmp_path / "export"))
     assert code == 0, err
     card = (tmp_path / "export" / "README.md").read_text()
     assert "| data | local data |" in card and str(tmp_path) not in card
+    assert "| data checks | " in card and "90 rows sharing 13 words with local data (data.contaminated=report)" in card
 
 
 def test_a_local_base_is_named_by_its_hub_origin(tmp_path):

@@ -172,6 +172,7 @@ def test_train_tab_validates_previews_and_plans_without_launching(tmp_path):
     assert not bad.ok and "train.learning_rate" in bad.message and "**learning rate**" in bad.field_error
     ok = train_tab.validate(workspace, form())
     assert ok.ok and ok.message == "✓ The recipe and its data are valid." and "builtin:greetings" in ok.report
+    assert "Data checks\n  duplicates: 19 exact duplicate rows in 19 groups" in ok.report  # the builtin's repeats
     unnamed = train_tab.validate(workspace, form(run_name=""))
     assert f"output_dir: {workspace.root / 'runs' / 'run-'}" in unnamed.report  # an empty name: a fresh one
     garbled = train_tab.validate(workspace, form(extra="train.max_steps 2"))

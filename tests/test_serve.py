@@ -334,13 +334,13 @@ def test_lm_evaluation_harness_reaches_the_server_through_its_own_client(server)
     lm_eval = pytest.importorskip("lm_eval", reason="the eval extra is not installed")
     from lm_eval.tasks import TaskManager
 
-    from finetune.trained_model.harness import SHIPPED_TASKS
+    from finetune.resources import eval_tasks_dir
 
     output = lm_eval.simple_evaluate(
         model="local-chat-completions", tasks=["finetune_greetings"], apply_chat_template=True, limit=8,
         model_args=f"model=quickstart,base_url={server[0]}/v1/chat/completions,num_concurrent=4,max_retries=1,"
                    "tokenized_requests=False",
-        task_manager=TaskManager(include_path=[str(SHIPPED_TASKS)], verbosity="ERROR"), verbosity="ERROR")
+        task_manager=TaskManager(include_path=[str(eval_tasks_dir())], verbosity="ERROR"), verbosity="ERROR")
     assert output["results"]["finetune_greetings"]["exact_match,none"] >= 0.8
 
 

@@ -20,7 +20,7 @@ from array import array
 from pathlib import Path
 
 from finetune import builtin
-from finetune.data import encoding, formats, prepared_folder, sources
+from finetune.data import encoding, formats, integrity, prepared_folder, sources
 from finetune.data.formats import BadRow
 from finetune.data.prepared_folder import PreparedData
 from finetune.data.spool import Spool
@@ -161,10 +161,15 @@ def _build_rows(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template,
                         "and the data holds conversations; set model.chat_template to a .jinja template file")
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
+    train_examples, checks = integrity.check(spool, train_examples, eval_examples, data,
+                                             integrity.read_eval_sets(data.decontaminate), recipe.stage,
+                                             integrity.template_findings(renderer, data.train_thinking))
     encoder = RowEncoder(renderer, recipe.stage)
     staging = prepared_folder.staging(folder)
     try:
         report = _encode_splits(staging, recipe, tokenizer, encoder, spool, train_examples, eval_examples, bad)
+        integrity.add_encoding_findings(checks, report, bad)
+        report["integrity"] = checks
         if len(mixture) > 1:
             report["sources"] = mixture
         (staging / prepared_folder.REPORT).write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -199,6 +204,7 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
         "stage": recipe.stage,
         "rows": {name: split.rows for name, split in splits.items()},
         "bad_rows": {"count": len(bad), "shown": bad[:SHOWN_BAD_ROWS], "policy": data.bad_rows},
+        "too_long": {"count": len(too_long), "shown": too_long[:SHOWN_BAD_ROWS], "policy": data.too_long},
         **{name: split.stats for name, split in splits.items()},
         "max_length": max_length,
         "example": encoder.marked(train.first_row, lambda ids, labels: _marked_example(tokenizer, ids, labels)),
@@ -255,14 +261,23 @@ WHERE = re.compile(r"^(?P<file>.*?) (?:line|row) (?P<number>\d+): ")
 
 
 def bad_rows_error(bad: list[str]) -> UserError:
-    return _listed_rows_error(bad, "bad", "Fix them, or set data.bad_rows=drop to skip them (the count is reported).")
+    """The bad rows listed; those the chat template renders differently as they grow are its fault, said once."""
+    count = len(bad)
+    unstable = [entry for entry in bad if integrity.UNSTABLE in entry]
+    if unstable:
+        bad = [integrity.unstable_template(len(unstable), unstable[0])] + \
+            [entry for entry in bad if integrity.UNSTABLE not in entry]
+    return _listed_rows_error(bad, "bad", "Fix them, or set data.bad_rows=drop to skip them (the count is reported).",
+                              count)
 
 
-def _listed_rows_error(rows: list[str], what: str, advice: str) -> UserError:
+def _listed_rows_error(rows: list[str], what: str, advice: str, count: int | None = None) -> UserError:
+    """`count`: the rows, where `rows` says some of them in one line."""
+    count = len(rows) if count is None else count
     shown = "\n".join(f"  {line}" for line in rows[:SHOWN_BAD_ROWS])
     more = f"\n  ... and {len(rows) - SHOWN_BAD_ROWS} more" if len(rows) > SHOWN_BAD_ROWS else ""
-    plural = "s" if len(rows) != 1 else ""
-    heading = f"{len(rows)} bad data row{plural}" if what == "bad" else f"{len(rows)} data row{plural} {what}"
+    plural = "s" if count != 1 else ""
+    heading = f"{count} bad data row{plural}" if what == "bad" else f"{count} data row{plural} {what}"
     return UserError(f"{heading}:\n{shown}{more}\n{advice}")
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.data import integrity
 from finetune.errors import UserError
 
 INPUTS = "prepared.json"
@@ -61,6 +62,7 @@ def inputs_of(recipe, tokenizer, template: str | None, train_sources: list, eval
         "format": FORMAT,
         "data": {"train": [{"contents": source.fingerprint(), **share} for source, share in zip(train_sources, shares)],
                  "eval": [{"contents": source.fingerprint()} for source in eval_sources]},
+        "decontaminate": [integrity.fingerprint(spec) for spec in recipe.data.decontaminate],
         "settings": {**{f"data.{key}": value for key, value in data.items()},
                      "train.max_length": recipe.train_setting("max_length"),
                      "train.packing": recipe.train_setting("packing"), "train.seed": recipe.train_setting("seed"),
@@ -101,6 +103,8 @@ def differences(prepared: dict[str, Any], now: dict[str, Any], with_data: bool) 
                 f"{now['format']}"]
     if with_data and prepared["data"] != now["data"]:
         lines.append("data.train / data.eval: the data files (or their shares) are not those it was prepared from")
+    if prepared.get("decontaminate") != now["decontaminate"]:
+        lines.append("data.decontaminate: the evaluation sets' contents are not those it was checked against")
     for key, value in now["settings"].items():
         if prepared["settings"].get(key) != value:
             lines.append(f"{key}: prepared with {prepared['settings'].get(key)!r}, the recipe has {value!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from finetune.data.integrity import counted, summary_of_duplicates
 from finetune.data.pipeline import MARK_CLOSE, MARK_OPEN
 
 UNITS = {"sft": "rows", "dpo": "pairs", "kto": "labelled answers", "grpo": "prompts"}
@@ -47,8 +48,49 @@ def describe_data(report: dict) -> str:
         lines += [f"    {line}" for line in bad["shown"]]
     else:
         lines.append("  bad rows: none")
+    lines += describe_checks(report.get("integrity"))
     lines.append(f"Example (tokens that carry loss are between {MARK_OPEN} and {MARK_CLOSE}):" if stage == "sft" else
                  f"Example (the answers' tokens, scored, are between {MARK_OPEN} and {MARK_CLOSE}):" if stage != "grpo"
                  else "Example (a prompt that GRPO answers, and the reference its rewards compare with):")
     lines += [f"  {line}" for line in report["example"].splitlines()]
     return "\n".join(lines)
+
+
+def describe_checks(found: dict | None) -> list[str]:
+    """The data checks' findings (integrity.py), a line or a few each, with the first rows they name."""
+    if not found:
+        return []
+    lines = ["Data checks"]
+    duplicates = found.get("duplicates")
+    if duplicates:
+        lines.append(f"  duplicates: {summary_of_duplicates(duplicates)} (data.duplicates={duplicates['policy']})")
+        for kind in ("exact", "near"):
+            lines += [f"    {kind}: {' = '.join(group['rows'])}" + (f" ({group['size']} rows)" if group["size"] > 3
+                                                                     else "")
+                      for group in duplicates[kind]["shown"]]
+        lines += [f"    eval {match['eval']} = {match['train']} ({match['kind']})"
+                  for match in duplicates["eval_overlap"]["shown"]]
+    contamination = found.get("contamination")
+    if contamination:
+        lines.append(f"  contamination ({contamination['ngram']} words in common with data.decontaminate): "
+                     f"{counted(contamination['rows'], 'row')} ({contamination['share']:.2%}), "
+                     f"data.contaminated={contamination['policy']}")
+        for one in contamination["sets"]:
+            lines.append(f"    {one['set']} ({counted(one['items'], 'item')}): {counted(one['rows'], 'row')} "
+                         f"overlap{'s' if one['rows'] == 1 else ''} "
+                         f"{one['items_found']:,} of its items")
+            for match in one["shown"]:
+                lines += [f"      {match['row']} shares {match['shared_words']} words with {match['item']}",
+                          f"        row:  {match['row_text']}", f"        item: {match['item_text']}"]
+    idle = found.get("teaches_nothing")
+    if idle:
+        within = idle.get("nothing_within_max_length", {"count": 0, "shown": []})
+        lines.append(f"  rows that teach nothing: {idle['rows']:,} (data.teaches_nothing={idle['policy']}): ending "
+                     f"without an answer {idle['ends_without_answer']:,}, a blank answer {idle['blank_answer']:,}, "
+                     f"reasoning the template leaves out {idle['thinking_dropped']:,}; and nothing to learn within "
+                     f"max_length {within['count']:,} (data.too_long={within['policy']})")
+        lines += [f"    {line}" for line in idle["shown"] + within["shown"][:3]]
+    lines += [f"  template: {line}" for line in found.get("template", [])]
+    if found.get("dropped"):
+        lines.append(f"  dropped by the checks: {counted(found['dropped'], 'train row')}")
+    return lines

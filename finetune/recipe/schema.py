@@ -356,6 +356,12 @@ def _check_contradictions(recipe: Recipe, raw: dict, origin) -> None:
         )
     if not 0.0 <= recipe.data.eval_fraction < 1.0:
         raise UserError(f"{origin('data.eval_fraction')}: data.eval_fraction must be at least 0 and below 1")
+    if not 0.0 < recipe.data.near_duplicate_threshold <= 1.0:
+        raise UserError(f"{origin('data.near_duplicate_threshold')}: data.near_duplicate_threshold is a Jaccard "
+                        "similarity: above 0 and at most 1")
+    if not 0.0 <= recipe.data.contamination_max_share <= 1.0:
+        raise UserError(f"{origin('data.contamination_max_share')}: data.contamination_max_share is a share of the "
+                        "train rows: from 0 to 1")
     for name in ("r", "alpha"):
         if getattr(recipe.lora, name) <= 0:
             raise UserError(f"{origin('lora.' + name)}: lora.{name} must be a positive whole number")

@@ -106,6 +106,33 @@ class DataSection:
         default="drop", metadata={"help": "Rows whose tokens that carry loss all lie past train.max_length: drop "
                                           "them (the count is reported), or fail listing them."}
     )
+    duplicates: Literal["report", "drop", "fail", "off"] = field(
+        default="report", metadata={"help": "Exact and near duplicate train rows, and train rows that duplicate an "
+                                            "eval row: report them, drop them (the first of each group is kept), "
+                                            "fail listing them, or off (no check: large corpora)."}
+    )
+    near_duplicate_threshold: float = field(
+        default=0.8, metadata={"help": "Rows whose word 3-grams have at least this Jaccard similarity are near "
+                                       "duplicates."}
+    )
+    decontaminate: list[str] = field(
+        default_factory=list, metadata={"help": "Evaluation sets no train row may overlap (13 words in common): "
+                                                "data files, builtin:NAME, or lm-eval:TASK (an lm-evaluation-harness "
+                                                "task whose data is local)."}
+    )
+    contaminated: Literal["fail", "drop", "report"] = field(
+        default="fail", metadata={"help": "Train rows that overlap data.decontaminate: fail (above "
+                                          "contamination_max_share), drop them, or report them."}
+    )
+    contamination_max_share: float = field(
+        default=0.0, metadata={"help": "The share of train rows that may overlap data.decontaminate before "
+                                       "contaminated=fail refuses."}
+    )
+    teaches_nothing: Literal["report", "drop", "fail"] = field(
+        default="report", metadata={"help": "Rows that teach nothing (ending with another turn than the "
+                                            "assistant's, a blank answer, reasoning the template leaves out): "
+                                            "report, drop or fail."}
+    )
     max_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows of each split."})
     num_proc: int | None = field(
         default=None, metadata={"help": "Processes that render and tokenize the data; default: the cores, up to 8 "

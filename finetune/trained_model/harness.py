@@ -3,11 +3,9 @@ the user's task folders, run on the model as chat loaded it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from finetune.errors import UserError
-
-SHIPPED_TASKS = Path(__file__).parents[1] / "eval_tasks"
+from finetune.resources import eval_tasks_dir
 
 
 def run_tasks(chat, tasks: list[str], include: list[str], batch_size: int, limit: int | None) -> dict[str, float]:
@@ -20,7 +18,7 @@ def run_tasks(chat, tasks: list[str], include: list[str], batch_size: int, limit
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise UserError("--tasks needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
-    manager = TaskManager(include_path=[str(SHIPPED_TASKS), *include], verbosity="ERROR")
+    manager = TaskManager(include_path=[str(eval_tasks_dir()), *include], verbosity="ERROR")
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise UserError(f"--tasks {unknown[0]}: lm-evaluation-harness knows no such task; add the folder of its "

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 from finetune import hub
+from finetune.data import integrity
 from finetune.recipe.train_section import GLOBAL_BATCH
-from finetune.run_folder import CONFIG_NAME, checkpoint_step, read_rows
+from finetune.run_folder import CONFIG_NAME, DATA_CHECKS_NAME, checkpoint_step, read_rows
 from finetune.trained_model import gguf, saved_model
 
 
@@ -57,6 +58,11 @@ def data_name(name: str) -> str:
     from finetune import builtin
 
     return hub_dataset(name) or (name if builtin.is_builtin(name) else "local data")
+
+
+def evaluation_set_name(name: str) -> str:
+    """A data.decontaminate set as the card names it: lm-eval tasks by name, data as data_name names it."""
+    return name if name.startswith(integrity.LM_EVAL) else data_name(name)
 
 
 def hub_id(name: str) -> str | None:
@@ -167,6 +173,10 @@ def training_rows(source: saved_model.SavedModel) -> list[tuple[str, object]]:
     rows.append(("method", recipe.method + (f" (r {lora.r}, alpha {lora.alpha}, targets {lora.target_modules}{targets})"
                                             if recipe.method != "full" else "")))
     rows.append(("data", data_names(recipe)))
+    checks = source.run and source.run / DATA_CHECKS_NAME
+    if checks and checks.is_file():
+        found = json.loads(checks.read_text(encoding="utf-8"))
+        rows.append(("data checks", integrity.summary(found, evaluation_set_name)))
     rows.append(("loss on", f"{recipe.data.loss_on} turns; reasoning (`thinking`) trained: "
                             f"{'yes' if recipe.data.train_thinking else 'no'}"))
     rows += _settings(recipe)
@@ -205,7 +215,8 @@ def _shown_recipe(recipe, base: str) -> str:
         return sources if sources is None else data_name(sources)
 
     data = dataclasses.replace(recipe.data, train=shown(recipe.data.train), eval=shown(recipe.data.eval),
-                               prepared=shown(recipe.data.prepared))
+                               prepared=shown(recipe.data.prepared),
+                               decontaminate=[evaluation_set_name(name) for name in recipe.data.decontaminate])
     model = dataclasses.replace(recipe.model, name_or_path=base)
     if model.adapter and not hub_id(model.adapter):
         model = dataclasses.replace(model, adapter="a local adapter")

@@ -120,6 +120,8 @@ def _train(recipe, state, stop: StopRequest, resume, callbacks) -> str:
             if point:
                 _continue_from(run_folder, point, state.num_processes, notes)
             run_folder.save_recipe(recipe.to_yaml())  # a resumed run's too: the length and cadence it now follows
+            if "integrity" in data.report:  # a folder `finetune prepare` wrote before there were checks has none
+                run_folder.save_data_checks(data.report["integrity"])
             _plan_time(recipe, run_folder, data, state, micro, backend)
             cleanup.enter_context(_log_to(run_folder.path / LOG_NAME))
             logger.info("run folder %s", run_folder.path)
