@@ -16,7 +16,10 @@ real Llama 3.2 tokenizer and chat template, each case in a fresh process:
   resume     on the largest prepared size, the time from a resume's position (global batch 16) at step 10 and at
              step 10,000 to its first batch of rows: the position is the sampler's, so no batch before it is read.
 
-    python benchmarks/data_prep.py [--sizes 20000,200000,2000000] [--processes 2] [--trl-max 200000]
+  checks     `prepare` of --checks conversations with the data checks off, and on (duplicates, and contamination
+             against GSM8K's test set): the seconds and memory they add.
+
+    python benchmarks/data_prep.py [--sizes 20000,200000,2000000] [--processes 2] [--trl-max 200000] [--checks N]
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _disk(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def measure_finetune(data: str, processes: int, scratch: str) -> dict:
+def measure_finetune(data: str, processes: int, scratch: str, *overrides: str) -> dict:
     os.environ["FINETUNE_HOME"] = scratch
     from finetune.data.pipeline import prepare_into
     from finetune.models.loading import load_tokenizer
@@ -72,7 +75,7 @@ def measure_finetune(data: str, processes: int, scratch: str) -> dict:
 
     recipe_path = Path(scratch) / "recipe.yaml"
     recipe_path.write_text(f"model: {{name_or_path: {TOKENIZER}}}\ndata: {{train: {data}}}\n")
-    recipe = load_recipe(recipe_path, [f"data.num_proc={processes}", f"train.max_length={MAX_LENGTH}"])
+    recipe = load_recipe(recipe_path, [f"data.num_proc={processes}", f"train.max_length={MAX_LENGTH}", *overrides])
     tokenizer = load_tokenizer(recipe)
     _reset_resident_peak()
     before = _resident_peak()
@@ -137,6 +140,27 @@ def measure_resume(folder: str, steps: str) -> dict:
     return {"rows": len(lengths), "seconds": seconds}
 
 
+def time_checks(tmp: Path, size: int, processes: int) -> dict:
+    """`prepare` with the data checks off, and with them on (duplicates, and contamination against GSM8K's test set):
+    the seconds and peak memory the checks add."""
+    data = tmp / "checks" / "conversations.jsonl"
+    data.parent.mkdir()
+    write_conversations(data, size)
+    ways = {"without": ["data.duplicates=off"],
+            "with": ["data.duplicates=report", f"data.decontaminate=[{ASSETS / 'datasets' / 'gsm8k' / 'test.jsonl'}]",
+                     "data.contaminated=report"]}
+    found = {way: run_case("finetune", str(data), str(processes), tempfile.mkdtemp(dir=tmp), *overrides)
+             for way, overrides in ways.items()}
+    added = found["with"]["seconds"] - found["without"]["seconds"]
+    print(f"\ndata checks on {size:,} conversations: {added:,.1f} s beyond the preparation's "
+          f"{found['without']['seconds']:,.1f} s ({found['with']['seconds']:,.1f} s with them); peak memory "
+          f"{found['without']['peak_memory'] / 2**20:,.0f} MiB without, {found['with']['peak_memory'] / 2**20:,.0f} "
+          "MiB with", flush=True)
+    data.unlink()
+    return {"size": size, **{way: {key: value for key, value in result.items() if key != "folder"}
+                             for way, result in found.items()}}
+
+
 def train_tokens_per_second(data: Path, steps: int, scratch: Path) -> tuple[float, float]:
     """Mean tokens/s over the logged steps after the first two of 2-process DDP runs on the CPU: (from the data
     file, from the shards `finetune prepare` wrote for the same recipe)."""
@@ -180,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-max", type=int, default=200000, help="the largest size TRL prepares too")
     parser.add_argument("--train-steps", type=int, default=12, help="0: no training comparison")
     parser.add_argument("--resume-steps", default="10,10000")
+    parser.add_argument("--checks", type=int, default=100000,
+                        help="conversations the data checks are timed on (0: none)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         way, *rest = args.one
         measure = {"finetune": measure_finetune, "TRL": measure_trl, "resume": measure_resume}[way]
-        print(json.dumps(measure(*rest) if way == "resume" else measure(rest[0], int(rest[1]), rest[2])))
+        print(json.dumps(measure(*rest) if way == "resume" else measure(rest[0], int(rest[1]), *rest[2:])))
         return 0
     if not TOKENIZER.is_dir():
         print(f"skipped: {ASSETS} has no Llama 3.2 tokenizer (set FINETUNE_SHARED_ASSETS)", file=sys.stderr)
@@ -223,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             results["train"] = {"from_data": from_data, "from_prepared": from_shards}
             print(f"\ntraining on 2 DDP processes, {sizes[0]:,} conversations: {from_shards:,.0f} tokens/s from "
                   f"the prepared shards, {from_data:,.0f} from the data file ({from_shards / from_data:.2f}x)")
+        if args.checks:
+            results["checks"] = time_checks(Path(tmp), args.checks, int(args.processes.split(",")[0]))
         resume = run_case("resume", ours[-1]["folder"], args.resume_steps)
         results["resume"] = resume
         for step, seconds in resume["seconds"].items():

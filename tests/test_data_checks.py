@@ -155,8 +155,7 @@ def test_planted_defects_are_found_with_their_recall_and_clean_rows_are_not(corp
     with Spool(tmp_path) as spool:
         train = read_examples([integrity.sources.resolve(str(corpus["path"]), "data.train")], recipe.data, bad, spool)
         assert not bad and len(train) == corpus["rows"] >= 10_000
-        duplicates = integrity.find_duplicates(spool, train, array("q"), 0.8)
-        contamination = integrity.find_contamination(spool, train, eval_set)
+        duplicates, contamination = integrity.scan(spool, train, array("q"), eval_set, 0.8, processes=2)
     planted = corpus["planted"]
     group_of = {}
     for kind in ("exact", "near"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
 import os
 import time
 from array import array
@@ -16,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.data import workers
 from finetune.data.formats import BadRow
 from finetune.data.spool import read_at
 from finetune.data.stage_rows import RowEncoder
 
-PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
 PACK_BATCH = 1000  # rows packed together (best-fit decreasing over each batch, as TRL's pack_dataset does)
 MOST_CHUNKS_PER_SPLIT = 16  # below it chunks hold PACK_BATCH rows; above, more (fewer shards for a large split)
 LARGEST_CHUNK = 8 * PACK_BATCH
@@ -53,10 +52,12 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
              for number, start in enumerate(starts))  # made as the workers take them
     total = _Chunk()
     progress = _Progress(split, len(examples))
-    parallel = processes > 1 and len(examples) >= PARALLEL_FROM
+    parallel = processes > 1 and len(examples) >= workers.PARALLEL_FROM
     # the chunks first: zip ends on them, after their pool has closed (ended on `starts`, it would leave the pool to
     # the garbage collector, which terminates it, and its semaphores are said to leak)
-    for chunk, start in zip(_chunks(tasks, encoder, processes if parallel else 1), starts):
+    global _worker_encoder
+    _worker_encoder = encoder
+    for chunk, start in zip(workers.in_order(_encode_chunk, tasks, processes if parallel else 1), starts):
         chunk_examples = examples[start:start + size]
         progress.advance(len(chunk_examples))
         bad += [f"{spool.where(chunk_examples[at])}: {reason}" for at, reason in chunk.bad]
@@ -103,12 +104,6 @@ class _Chunk:
 
 
 _worker_encoder: RowEncoder | None = None  # the split's encoder, which the worker processes fork with
-
-
-def _start_worker() -> None:
-    import datasets
-
-    datasets.disable_progress_bars()  # packing's; the main process says how far the workers are
 
 
 def _encode_chunk(task: tuple[str, str, array, int, bool]) -> _Chunk:
@@ -159,28 +154,6 @@ def pack(rows, max_length: int, path: str):
 
     return pack_dataset(rows, max_length, strategy="bfd", map_kwargs={"cache_file_name": path,
                                                                        "batch_size": PACK_BATCH})
-
-
-def _chunks(tasks, encoder: RowEncoder, processes: int):
-    """Each task's _Chunk, in order: here for one process, else on worker processes."""
-    global _worker_encoder
-    _worker_encoder = encoder
-    if processes <= 1:
-        yield from map(_encode_chunk, tasks)
-        return
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers each tokenize on one thread
-    # forked, as datasets' map forks: a spawned worker imports transformers again, seconds each before its first row.
-    # The workers run no torch op and tokenize on one thread, so no lock of those libraries' threads is inherited.
-    pool = multiprocessing.get_context("fork").Pool(processes, _start_worker)
-    try:
-        yield from pool.imap(_encode_chunk, tasks)
-    except BaseException:
-        pool.terminate()
-        raise
-    else:
-        pool.close()
-    finally:
-        pool.join()
 
 
 class _Progress:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from finetune.data import formats, sources
+from finetune.data import formats, sources, workers
 from finetune.data.formats import BadRow
+from finetune.data.spool import read_at
 from finetune.data.stage_rows import answer_example
 from finetune.errors import UserError
 from finetune.resources import eval_tasks_dir
@@ -54,20 +55,21 @@ class EvalSet:
     items: list[tuple[str, str]]
 
 
-def check(spool, train: array, eval_: array, data, eval_sets: list[EvalSet], stage: str,
-          template: dict) -> tuple[array, dict]:
+def check(spool, train: array, eval_: array, data, eval_sets: list[EvalSet], stage: str, template: dict,
+          processes: int = 1) -> tuple[array, dict]:
     """The checks data.duplicates, data.decontaminate and data.teaches_nothing ask for, on the examples (offsets in
     `spool`): a UserError where a policy is fail and a check finds rows; the rows dropped where it is drop.
     `template`: what template_findings found. (The training examples kept, the report.)"""
     report: dict = {}
     drop: set[int] = set()  # positions in train
-    if data.duplicates != "off":
-        duplicates = find_duplicates(spool, train, eval_, data.near_duplicate_threshold)
+    checking_duplicates = data.duplicates != "off"
+    duplicates, contamination = scan(spool, train, eval_, eval_sets,
+                                     data.near_duplicate_threshold if checking_duplicates else None, processes)
+    if duplicates:
         report["duplicates"] = _duplicates_report(duplicates, spool, train, data.near_duplicate_threshold)
         report["duplicates"]["policy"] = data.duplicates
         _apply(data.duplicates, duplicates.dropped(), drop, lambda: _duplicates_error(report["duplicates"]))
     if eval_sets:
-        contamination = find_contamination(spool, train, eval_sets)
         contaminated = {match.position for match in contamination}
         report["contamination"] = _contamination_report(contamination, spool, train, eval_sets)
         report["contamination"].update(policy=data.contaminated, max_share=data.contamination_max_share)
@@ -244,19 +246,24 @@ def _word_hash(word: str) -> int:
     return zlib.crc32(word.encode())
 
 
-def _ngram_hashes(tokens: list[str], n: int) -> np.ndarray:
+def word_hashes(example: dict) -> np.ndarray:
+    """A hash of each of the example's words, in order."""
+    tokens = words(example)
+    return np.fromiter(map(_word_hash, tokens), dtype=np.uint64, count=len(tokens))
+
+
+def _ngram_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
     """A 64-bit hash of each run of `n` words (a polynomial over the words' hashes, wrapping)."""
-    if len(tokens) < n:
+    if len(hashes) < n:
         return np.empty(0, dtype=np.uint64)
-    hashes = np.fromiter((_word_hash(token) for token in tokens), dtype=np.uint64, count=len(tokens))
     powers = _MULTIPLIER ** np.arange(n - 1, -1, -1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         return np.lib.stride_tricks.sliding_window_view(hashes, n) @ powers
 
 
-def _shingles(tokens: list[str]) -> np.ndarray:
+def _shingles(hashes: np.ndarray) -> np.ndarray:
     """The example's distinct word 3-grams (a short example's words together are one)."""
-    return np.unique(_ngram_hashes(tokens, min(SHINGLE, len(tokens))) if tokens else np.empty(0, dtype=np.uint64))
+    return np.unique(_ngram_hashes(hashes, min(SHINGLE, len(hashes))))
 
 
 def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -306,50 +313,136 @@ class Duplicates:
         return drop
 
 
-def find_duplicates(spool, train: array, eval_: array, threshold: float) -> Duplicates:
-    """Exact and near duplicates among the training examples (offsets in `spool`), and eval examples that duplicate
-    a training one. Two examples of one data row (a KTO pair's answers) are not each other's duplicates."""
-    from datasketch import MinHash, MinHashLSH
+@dataclass
+class Contamination:
+    """A training example that shares words with an evaluation set's item: its position in the training examples,
+    the set, the item (its index) with the most n-grams in common, and the longest run of words they share."""
+    position: int
+    set_index: int
+    item: int
+    shared_words: int
 
-    lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM, weights=LSH_WEIGHTS)
-    permutations = MinHash(num_perm=NUM_PERM).permutations  # made once, not per example
-    exact_first: dict[int, int] = {}
-    exact, near = _Groups(), _Groups()
 
-    def signature(shingles: np.ndarray):
-        minhash = MinHash(num_perm=NUM_PERM, hashfunc=_low_bits, permutations=permutations, scheme="affine32")
-        minhash.update_batch(shingles)
-        return minhash
-
-    def similar(shingles: np.ndarray, position: int) -> bool:
-        return _jaccard(shingles, _shingles(words(spool.get(train[position])))) >= threshold
-
-    for position, offset in enumerate(train):
-        example = spool.get(offset)
-        key = _exact_key(example)
-        if key in exact_first:
-            exact.join(exact_first[key], position)
-            continue
-        exact_first[key] = position
-        shingles = _shingles(words(example))
-        minhash = signature(shingles)
-        for candidate in sorted(lsh.query(minhash)):
-            if near.root(candidate) != near.root(position) and similar(shingles, candidate) and \
-                    spool.where(train[candidate]) != spool.where(offset):
-                near.join(candidate, position)
-        lsh.insert(position, minhash)
+def scan(spool, train: array, eval_: array, eval_sets: list[EvalSet], threshold: float | None,
+         processes: int = 1) -> tuple[Duplicates | None, list[Contamination]]:
+    """The duplicates (threshold None: not looked for) and the contamination of the training examples (offsets in
+    `spool`), in one pass: each example's words, exact key, MinHash and n-gram matches are computed on `processes`
+    worker processes; the LSH index and the groups are kept here, in order."""
+    global _scanned
+    spool.file.flush()  # the workers read the examples from it
+    _scanned = (spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets])
+    deduplication = _Deduplication(spool, train, threshold) if threshold is not None else None
+    contamination = []
+    for start, chunk in _fingerprinted(train, processes):
+        if deduplication:
+            for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
+                deduplication.add(start + at, key, signature)
+        contamination += [Contamination(start + at, *match) for at, *match in chunk.matches]
+    if not deduplication:
+        return None, contamination
+    _scanned = (spool.file.name, [])
     overlaps = []
-    for offset in eval_:
-        example = spool.get(offset)
-        key = _exact_key(example)
-        if key in exact_first:
-            overlaps.append((offset, exact_first[key], "exact"))
-            continue
-        shingles = _shingles(words(example))
-        match = next((c for c in sorted(lsh.query(signature(shingles))) if similar(shingles, c)), None)
-        if match is not None:
-            overlaps.append((offset, match, "near"))
-    return Duplicates(exact.groups(), near.groups(), overlaps)
+    for start, chunk in _fingerprinted(eval_, processes):
+        for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
+            found = deduplication.find(eval_[start + at], key, signature)
+            if found:
+                overlaps.append((eval_[start + at], *found))
+    return Duplicates(deduplication.exact.groups(), deduplication.near.groups(), overlaps), contamination
+
+
+class _Deduplication:
+    """The exact keys and the LSH index of the training examples seen so far, and their groups. Two examples of one
+    data row (a KTO pair's answers) are not each other's duplicates."""
+
+    def __init__(self, spool, train: array, threshold: float):
+        from datasketch import MinHashLSH
+
+        self.spool, self.train, self.threshold = spool, train, threshold
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM, weights=LSH_WEIGHTS)
+        self.first_of_key: dict[int, int] = {}
+        self.exact, self.near = _Groups(), _Groups()
+
+    def add(self, position: int, key: int, signature: np.ndarray) -> None:
+        if key in self.first_of_key:
+            self.exact.join(self.first_of_key[key], position)
+            return
+        self.first_of_key[key] = position
+        minhash = _lean(signature)
+        candidates = sorted(self.lsh.query(minhash))
+        if candidates:
+            offset = self.train[position]
+            shingles = _shingles(word_hashes(self.spool.get(offset)))
+            for candidate in candidates:
+                if self.near.root(candidate) != self.near.root(position) and self._similar(shingles, candidate) \
+                        and self.spool.where(self.train[candidate]) != self.spool.where(offset):
+                    self.near.join(candidate, position)
+        self.lsh.insert(position, minhash)
+
+    def find(self, offset: int, key: int, signature: np.ndarray) -> tuple[int, str] | None:
+        """(the training example an example duplicates, "exact" or "near"), or None."""
+        if key in self.first_of_key:
+            return self.first_of_key[key], "exact"
+        candidates = sorted(self.lsh.query(_lean(signature)))
+        shingles = _shingles(word_hashes(self.spool.get(offset))) if candidates else None
+        match = next((c for c in candidates if self._similar(shingles, c)), None)
+        return None if match is None else (match, "near")
+
+    def _similar(self, shingles: np.ndarray, position: int) -> bool:
+        return _jaccard(shingles, _shingles(word_hashes(self.spool.get(self.train[position])))) >= self.threshold
+
+
+def _lean(signature: np.ndarray):
+    from datasketch import LeanMinHash
+
+    return LeanMinHash(seed=1, hashvalues=signature, scheme="affine32")
+
+
+_scanned: tuple[str, list] | None = None  # (the spool's file, the evaluation sets' n-grams) the workers fork with
+
+
+@dataclass
+class _Fingerprints:
+    """A chunk of examples as the checks compare them."""
+    keys: list[int]
+    signatures: np.ndarray  # (examples, NUM_PERM) uint32: their MinHash
+    matches: list[tuple[int, int, int, int]]  # (place in the chunk, evaluation set, item, words shared)
+
+
+CHUNK = 2000  # examples a worker fingerprints at a time
+
+
+def _fingerprinted(examples: array, processes: int):
+    """(the chunk's first position, its _Fingerprints) for each chunk of the examples, in order."""
+    starts = range(0, len(examples), CHUNK)
+    parallel = processes if len(examples) >= workers.PARALLEL_FROM else 1
+    return zip(starts, workers.in_order(_fingerprint, (examples[start:start + CHUNK] for start in starts), parallel))
+
+
+def _fingerprint(offsets: array) -> _Fingerprints:
+    from datasketch import MinHash
+
+    spool_file, indexes = _scanned
+    found = _Fingerprints([], np.empty((len(offsets), NUM_PERM), dtype=np.uint32), [])
+    with open(spool_file, "rb") as handle:
+        for at, offset in enumerate(offsets):
+            example = read_at(handle, offset)[1]
+            hashes = word_hashes(example)
+            found.keys.append(_exact_key(example))
+            minhash = MinHash(num_perm=NUM_PERM, hashfunc=int, permutations=_permutations(), scheme="affine32")
+            minhash.update_batch((_shingles(hashes) & 0xFFFFFFFF).tolist())  # affine32 hashes 32 bits
+            found.signatures[at] = minhash.hashvalues
+            for set_index, index in enumerate(indexes):
+                match = index.match(hashes)
+                if match:
+                    found.matches.append((at, set_index, *match))
+    return found
+
+
+@functools.cache
+def _permutations():
+    from datasketch import MinHash
+
+    return MinHash(num_perm=NUM_PERM, scheme="affine32").permutations  # made once, not per example
 
 
 def _duplicates_report(found: Duplicates, spool, train: array, threshold: float) -> dict:
@@ -364,24 +457,10 @@ def _duplicates_report(found: Duplicates, spool, train: array, threshold: float)
     }
 
 
-def _low_bits(value) -> int:
-    return int(value) & 0xFFFFFFFF  # MinHash's affine32 scheme hashes 32 bits; the shingles' hashes are 64
-
-
 def _groups_found(groups: list[list[int]], train: array, where) -> dict:
     return {"groups": len(groups), "rows": sum(len(group) - 1 for group in groups),
             "shown": [{"size": len(group), "rows": [where(train[p]) for p in group[:3]]}
                       for group in sorted(groups, key=len, reverse=True)[:SHOWN]]}
-
-
-@dataclass
-class Contamination:
-    """A training example that shares words with an evaluation set's item: its position in the training examples,
-    the set, the item (its index) with the most n-grams in common, and the longest run of words they share."""
-    position: int
-    set_index: int
-    item: int
-    shared_words: int
 
 
 class _NgramIndex:
@@ -393,7 +472,7 @@ class _NgramIndex:
             tokens = WORD.findall(text.lower())
             n = min(NGRAM, len(tokens))  # an item shorter than NGRAM words is one n-gram of its length
             if n:
-                grams = np.unique(_ngram_hashes(tokens, n))
+                grams = np.unique(_ngram_hashes(np.fromiter(map(_word_hash, tokens), dtype=np.uint64), n))
                 hashes.append(grams)
                 owners.append(np.full(len(grams), item, dtype=np.int64))
                 self.lengths.add(n)
@@ -401,28 +480,16 @@ class _NgramIndex:
         order = np.argsort(hashes, kind="stable")
         self.hashes, self.owners = hashes[order], np.concatenate(owners)[order] if owners else hashes
 
-    def match(self, tokens: list[str]) -> tuple[int, int] | None:
-        """(the item with the most n-grams in the tokens, the longest run of words they share), or None."""
+    def match(self, hashes: np.ndarray) -> tuple[int, int] | None:
+        """(the item with the most n-grams among the words (their hashes), the longest run of words they share), or
+        None."""
         for n in sorted(self.lengths, reverse=True):
-            grams = _ngram_hashes(tokens, n)
+            grams = _ngram_hashes(hashes, n)
             at = np.searchsorted(self.hashes, grams)
             hit = (at < len(self.hashes)) & (self.hashes[np.minimum(at, len(self.hashes) - 1)] == grams)
             if hit.any():
                 return int(np.bincount(self.owners[at[hit]]).argmax()), _longest_run(hit) + n - 1
         return None
-
-
-def find_contamination(spool, train: array, eval_sets: list[EvalSet]) -> list[Contamination]:
-    """Every (training example, evaluation set) that share an n-gram of NGRAM words (or a whole shorter item)."""
-    indexes = [_NgramIndex(eval_set) for eval_set in eval_sets]
-    found = []
-    for position, offset in enumerate(train):
-        tokens = words(spool.get(offset))
-        for set_index, index in enumerate(indexes):
-            match = index.match(tokens)
-            if match:
-                found.append(Contamination(position, set_index, *match))
-    return found
 
 
 def _contamination_report(found: list[Contamination], spool, train: array, eval_sets: list[EvalSet]) -> dict:

@@ -163,7 +163,8 @@ def _build_rows(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template,
                         data.template_kwargs)
     train_examples, checks = integrity.check(spool, train_examples, eval_examples, data,
                                              integrity.read_eval_sets(data.decontaminate), recipe.stage,
-                                             integrity.template_findings(renderer, data.train_thinking))
+                                             integrity.template_findings(renderer, data.train_thinking),
+                                             _processes(data))
     encoder = RowEncoder(renderer, recipe.stage)
     staging = prepared_folder.staging(folder)
     try:
@@ -184,9 +185,8 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
     """Encode and pack both splits into shards in `staging` (train/, eval/), check the rows; the report."""
     data, max_length, packing = recipe.data, recipe.train_setting("max_length"), recipe.train_setting("packing")
     too_long: list[str] = []
-    processes = data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
     splits = {name: encoding.encode_split(examples, spool, encoder, max_length, packing, bad, too_long,
-                                          staging / name, processes, name)
+                                          staging / name, _processes(data), name)
               for name, examples in (("train", train_examples), ("eval", eval_examples))}
     bad.sort(key=_in_file_order(bad))  # read (JSON, format) and encoded (template, masks) rows in one order
     if bad and data.bad_rows == "fail":
@@ -217,6 +217,10 @@ def _encode_splits(staging: Path, recipe: Recipe, tokenizer, encoder: RowEncoder
             for example in eval_examples[:SAMPLE_POOL]]
     (staging / prepared_folder.EVAL_EXAMPLES).write_text(json.dumps(pool, ensure_ascii=False), encoding="utf-8")
     return report
+
+
+def _processes(data) -> int:
+    return data.num_proc or min(os.cpu_count() or 1, MOST_PROCESSES)
 
 
 def _no_usable_rows(rows: int, too_long: int, bad: int, max_length: int, lengths: dict) -> UserError:
