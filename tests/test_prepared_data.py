@@ -88,6 +88,15 @@ def test_prepared_rows_from_other_inputs_are_refused_with_what_differs(tmp_path,
     assert "  the chat template: prepared with another one" in err
     assert "Traceback" not in err
 
+    items = conversations(tmp_path / "items.jsonl", 5, start=1000)
+    assert cli_here(capsys, "prepare", str(recipe), f"data.decontaminate=[{items}]", "--out",
+                    str(tmp_path / "checked"))[0] == 0
+    conversations(items, 5, start=2000)  # the evaluation set changed: what was checked is not what is now
+    code, _, err = cli_here(capsys, "validate", str(recipe), f"data.prepared={tmp_path / 'checked'}",
+                            f"data.decontaminate=[{items}]")
+    assert code == 2 and "  data.decontaminate: the evaluation sets' contents are not those it was checked " \
+                         "against" in err
+
     conversations(data, 50, start=7)
     code, _, err = cli_here(capsys, "validate", str(recipe), f"data.prepared={out}")
     assert code == 2 and "data.train / data.eval: the data files (or their shares) are not those it was prepared " \
