@@ -340,3 +340,19 @@ def test_a_template_fault_is_said_once_as_the_templates(capsys, tmp_path, small_
         assert err.startswith("error: 24 bad data rows:\n  the chat template renders 24 conversations differently "
                               f"as they grow (the first: {small_data['data']} line 1), so their loss masks cannot be "
                               "derived; use a template with {% generation %} markers (model.chat_template)\nFix them")
+
+
+def test_reasoning_the_template_leaves_out_is_counted_as_teaching_nothing(capsys, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"What is {n} + {n}?"},
+                          {"role": "assistant", "thinking": f"Add {n} to itself.", "content": str(2 * n)}]}
+            for n in range(12)]
+    data = _jsonl(tmp_path / "data.jsonl", rows)
+    code, out, err = _validate(capsys, tmp_path, data)  # the builtin template renders the reasoning
+    assert code == 0 and ", reasoning the template leaves out 0;" in out, err
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATES["no system"], encoding="utf-8")
+    code, out, err = _validate(capsys, tmp_path, data, f"model.chat_template={path}")
+    assert code == 0 and ", reasoning the template leaves out 12;" in out, err
+    assert f"{data} line 1: the chat template leaves out its reasoning (thinking): it is not trained" in out
+    code, out, err = _validate(capsys, tmp_path, data, f"model.chat_template={path}", "data.train_thinking=false")
+    assert code == 0 and ", reasoning the template leaves out 0;" in out, err

@@ -221,7 +221,7 @@ def _strings(value) -> str:
     return ""
 
 
-def words(example: dict) -> list[str]:
+def _words(example: dict) -> list[str]:
     """The example's words, lowercased, its messages' texts one after the other (no roles: a verbatim copy of an
     evaluation item shows as one run of words)."""
     return WORD.findall(_text(example, roles=False).lower())
@@ -246,9 +246,9 @@ def _word_hash(word: str) -> int:
     return zlib.crc32(word.encode())
 
 
-def word_hashes(example: dict) -> np.ndarray:
+def _word_hashes(example: dict) -> np.ndarray:
     """A hash of each of the example's words, in order."""
-    tokens = words(example)
+    tokens = _words(example)
     return np.fromiter(map(_word_hash, tokens), dtype=np.uint64, count=len(tokens))
 
 
@@ -371,7 +371,7 @@ class _Deduplication:
         candidates = sorted(self.lsh.query(minhash))
         if candidates:
             offset = self.train[position]
-            shingles = _shingles(word_hashes(self.spool.get(offset)))
+            shingles = _shingles(_word_hashes(self.spool.get(offset)))
             for candidate in candidates:
                 if self.near.root(candidate) != self.near.root(position) and self._similar(shingles, candidate) \
                         and self.spool.where(self.train[candidate]) != self.spool.where(offset):
@@ -383,12 +383,12 @@ class _Deduplication:
         if key in self.first_of_key:
             return self.first_of_key[key], "exact"
         candidates = sorted(self.lsh.query(_lean(signature)))
-        shingles = _shingles(word_hashes(self.spool.get(offset))) if candidates else None
+        shingles = _shingles(_word_hashes(self.spool.get(offset))) if candidates else None
         match = next((c for c in candidates if self._similar(shingles, c)), None)
         return None if match is None else (match, "near")
 
     def _similar(self, shingles: np.ndarray, position: int) -> bool:
-        return _jaccard(shingles, _shingles(word_hashes(self.spool.get(self.train[position])))) >= self.threshold
+        return _jaccard(shingles, _shingles(_word_hashes(self.spool.get(self.train[position])))) >= self.threshold
 
 
 def _lean(signature: np.ndarray):
@@ -426,7 +426,7 @@ def _fingerprint(offsets: array) -> _Fingerprints:
     with open(spool_file, "rb") as handle:
         for at, offset in enumerate(offsets):
             example = read_at(handle, offset)[1]
-            hashes = word_hashes(example)
+            hashes = _word_hashes(example)
             found.keys.append(_exact_key(example))
             minhash = MinHash(num_perm=NUM_PERM, hashfunc=int, permutations=_permutations(), scheme="affine32")
             minhash.update_batch((_shingles(hashes) & 0xFFFFFFFF).tolist())  # affine32 hashes 32 bits
