@@ -4,7 +4,8 @@ prepared shards against training from the data file; the time a resume takes to 
 Multi-turn conversations (three GSM8K question-answer exchanges each, in varying combinations) rendered with the
 real Llama 3.2 tokenizer and chat template, each case in a fresh process:
 
-  prepare    finetune `prepare --out` (exact assistant masks, truncation, packing, Arrow shards on disk) against
+  prepare    finetune `prepare --out` (exact assistant masks, truncation, packing, Arrow shards on disk; with its
+             default data checks, and without them: "no checks", TRL's work) against
              TRL's SFTTrainer dataset preparation with its defaults (chat template, tokenization, loss on every
              token: TRL refuses assistant-only masks with this template; packing), on --processes processes each
              (data.num_proc, dataset_num_proc), at each of --sizes conversations (TRL up to --trl-max). Both from
@@ -40,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import ASSETS, REPO, gsm8k_rows, make_model  # noqa: E402  (the benchmarks share their data)
 
 TURNS = 3
+# each way of preparing: what runs it, with which overrides (the data checks are on by default; TRL has none)
+WAYS = {"finetune": ("finetune", []), "no checks": ("finetune", ["data.duplicates=unchecked"]), "TRL": ("TRL", [])}
 MAX_LENGTH = 2048
 TRAIN_MAX_LENGTH = 512
 GLOBAL_BATCH = 16
@@ -69,6 +72,7 @@ def _disk(folder: Path) -> int:
 def measure_finetune(data: str, processes: int, scratch: str, *overrides: str) -> dict:
     os.environ["FINETUNE_HOME"] = scratch
     from finetune.data.pipeline import prepare_into
+    from finetune.data.prepared_folder import read_report
     from finetune.models.loading import load_tokenizer
     from finetune.recipe.schema import load_recipe
     from finetune.training.probe import _reset_resident_peak, _resident_peak
@@ -81,9 +85,9 @@ def measure_finetune(data: str, processes: int, scratch: str, *overrides: str) -
     before = _resident_peak()
     started = time.perf_counter()
     folder = Path(scratch) / "prepared"
-    prepared = prepare_into(recipe, tokenizer, tokenizer.chat_template, str(folder))[0]
+    report = read_report(prepare_into(recipe, tokenizer, tokenizer.chat_template, str(folder))[0])
     seconds = time.perf_counter() - started
-    return {"rows": prepared.report["rows"]["train"], "seconds": seconds, **_peaks(before), "disk": _disk(folder),
+    return {"rows": report["rows"]["train"], "seconds": seconds, **_peaks(before), "disk": _disk(folder),
             "folder": str(folder)}
 
 
@@ -146,7 +150,7 @@ def time_checks(tmp: Path, size: int, processes: int) -> dict:
     data = tmp / "checks" / "conversations.jsonl"
     data.parent.mkdir()
     write_conversations(data, size)
-    ways = {"without": ["data.duplicates=off"],
+    ways = {"without": ["data.duplicates=unchecked"],
             "with": ["data.duplicates=report", f"data.decontaminate=[{ASSETS / 'datasets' / 'gsm8k' / 'test.jsonl'}]",
                      "data.contaminated=report"]}
     found = {way: run_case("finetune", str(data), str(processes), tempfile.mkdtemp(dir=tmp), *overrides)
@@ -226,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             data = Path(tmp) / f"conversations-{size}.jsonl"
             write_conversations(data, size)
             for processes in map(int, args.processes.split(",")):
-                for way in ("finetune", "TRL") if size <= args.trl_max else ("finetune",):
+                for way in WAYS if size <= args.trl_max else ("finetune",):
                     scratch = Path(tempfile.mkdtemp(dir=tmp))
+                    kind, overrides = WAYS[way]
                     result = {"size": size, "way": way, "processes": processes,
-                              **run_case(way, str(data), str(processes), str(scratch))}
+                              **run_case(kind, str(data), str(processes), str(scratch), *overrides)}
                     results["prepare"].append(result)
                     print(f"{size:>13,} {way:<9} {processes:>5} {size / result['seconds']:>8,.0f} "
                           f"{result['seconds']:>8.1f} {result['peak_memory'] / 2**20:>9,.0f} "

@@ -91,9 +91,13 @@ def test_serve_script_times_batched_against_one_at_a_time(tmp_path):
 def test_data_prep_script_prepares_and_resumes(tmp_path):
     """(Its DDP training comparison, two 2-process runs, is left to the script's own runs: minutes of CI.)"""
     result, results = benchmark("data_prep.py", tmp_path / "data_prep.json", "--sizes", "300,600", "--trl-max", "300",
-                                "--train-steps", "0")
+                                "--train-steps", "0", "--checks", "300")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [(r["size"], r["way"]) for r in results["prepare"]] == [(300, "finetune"), (300, "TRL"), (600, "finetune")]
+    assert [(r["size"], r["way"]) for r in results["prepare"]] == [
+        (300, "finetune"), (300, "no checks"), (300, "TRL"), (600, "finetune")]
     assert all(r["seconds"] > 0 and r["disk"] > 0 and r["peak_memory"] > 0 for r in results["prepare"])
+    checks = results["checks"]
+    assert checks["size"] == 300 and checks["with"]["seconds"] > 0 and checks["without"]["seconds"] > 0
+    assert "data checks on 300 conversations: " in result.stdout
     assert results["train"] is None and set(results["resume"]["seconds"]) == {"10", "10000"}
     assert "resume at step 10,000" in result.stdout

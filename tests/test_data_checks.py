@@ -16,6 +16,7 @@ import pytest
 
 from finetune.data import integrity
 from finetune.data.pipeline import prepare_into, read_examples
+from finetune.data.prepared_folder import read_report
 from finetune.data.spool import Spool
 from finetune.recipe.schema import load_recipe
 from tests.conftest import asset, cli_here, write_recipe
@@ -213,7 +214,7 @@ def test_the_report_counts_them_and_rows_that_truncate_to_nothing(corpus, tmp_pa
                                                 f"data: {{train: {corpus['path']}, contaminated: report, "
                                                 f"decontaminate: [{asset('datasets/gsm8k/test.jsonl')}]}}\n"
                                                 f"train: {{max_length: {MAX_LENGTH}}}\n"), [])
-    report = prepare_into(recipe, tokenizer, tokenizer.chat_template, str(tmp_path / "prepared"))[0].report
+    report = read_report(prepare_into(recipe, tokenizer, tokenizer.chat_template, str(tmp_path / "prepared"))[0])
     checks = report["integrity"]
     assert checks["duplicates"]["exact"]["rows"] >= 0.95 * PLANTED_EXACT
     assert checks["duplicates"]["near"]["rows"] >= 0.8 * PLANTED_NEAR

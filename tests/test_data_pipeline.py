@@ -9,6 +9,7 @@ import pytest
 
 from finetune.data import encoding, pipeline
 from finetune.data.pipeline import prepare, prepare_into
+from finetune.data.prepared_folder import load
 from finetune.errors import UserError
 from finetune.recipe.schema import load_recipe
 from tests.conftest import asset, write_recipe
@@ -142,7 +143,8 @@ def test_parallel_preparation_is_the_same_and_says_how_far_it_is(tmp_path, monke
     for processes in (1, 2):
         recipe = recipe_for(tmp_path, data, f"data.num_proc={processes}", "train.max_length=512",
                             "train.packing=false", "data.eval_fraction=0.1")
-        prepared[processes] = prepare_into(recipe, llama_tokenizer, template, str(tmp_path / f"parallel-{processes}"))[0]
+        prepared[processes] = load(prepare_into(recipe, llama_tokenizer, template,
+                                                str(tmp_path / f"parallel-{processes}"))[0])
     one, two = prepared[1], prepared[2]
     assert one.report == two.report and len(one.train) == 2250 and len(one.eval) == 250
     assert one.train["input_ids"] == two.train["input_ids"] and one.train["labels"] == two.train["labels"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.data.pipeline import prepare, prepare_into
+from finetune.data.prepared_folder import load
 from finetune.errors import UserError
 from finetune.recipe.schema import load_recipe
 from tests.conftest import cli_here, write_recipe
@@ -141,7 +142,8 @@ def test_prepared_rows_go_to_and_come_from_an_fsspec_url(tmp_path):
     data = conversations(tmp_path / "rows.jsonl", 40)
     recipe = load_recipe(recipe_file(tmp_path, data))
     tokenizer = make_tokenizer()
-    written, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, "memory://bucket/prepared")
+    folder, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, "memory://bucket/prepared")
+    written = load(folder)
     assert made and where == "memory://bucket/prepared"
     import fsspec
 

@@ -206,6 +206,16 @@ def test_validate_command(tmp_path):
 
 
 @pytest.mark.integration
+def test_data_checks_command_prints_what_its_page_shows(tmp_path):
+    page = (REPO / "docs" / "validate.md").read_text(encoding="utf-8")
+    section = page[page.index("## Know your data before step 0"):]
+    result = run(commands(section)[0], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = re.search(r"```text\n(.*?)```", section, re.S)[1].splitlines()
+    assert shown and all(line in result.stdout.splitlines() for line in shown), result.stdout
+
+
+@pytest.mark.integration
 def test_prepare_and_train_from_prepared_commands(tmp_path):
     prepare = run(next(c for c in commands() if c.startswith("finetune prepare")), tmp_path)
     assert prepare.returncode == 0 and not prepare.stderr, prepare.stderr[-3000:]

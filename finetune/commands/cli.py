@@ -318,14 +318,16 @@ def validate_command(args) -> int:
 
 def prepare_command(args) -> int:
     from finetune.data.pipeline import prepare_into
+    from finetune.data.prepared_folder import read_report
     from finetune.models.loading import load_tokenizer
     from finetune.recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = load_tokenizer(recipe)
-    data, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, args.out or recipe.data.prepared)
-    rows = data.report["rows"]
-    tokens = data.report["train"]["tokens"] + (data.report["eval"]["tokens"] if rows["eval"] else 0)
+    folder, where, made = prepare_into(recipe, tokenizer, tokenizer.chat_template, args.out or recipe.data.prepared)
+    report = read_report(folder)  # the rows are not read: `prepare` of a large corpus ends when they are written
+    rows = report["rows"]
+    tokens = report["train"]["tokens"] + (report["eval"]["tokens"] if rows["eval"] else 0)
     done = "prepared" if made else "already prepared from the same inputs, nothing to do"
     print(f"{where}: {done}: {rows['train']:,} train rows, {rows['eval']:,} eval rows, {tokens:,} tokens", flush=True)
     if args.out and not recipe.data.prepared:

@@ -62,7 +62,7 @@ def check(spool, train: array, eval_: array, data, eval_sets: list[EvalSet], sta
     `template`: what template_findings found. (The training examples kept, the report.)"""
     report: dict = {}
     drop: set[int] = set()  # positions in train
-    checking_duplicates = data.duplicates != "off"
+    checking_duplicates = data.duplicates != "unchecked"
     duplicates, contamination = scan(spool, train, eval_, eval_sets,
                                      data.near_duplicate_threshold if checking_duplicates else None, processes)
     if duplicates:

@@ -45,14 +45,14 @@ def prepare(recipe: Recipe, tokenizer, template: str | None) -> PreparedData:
         train_sources, eval_sources = _sources(recipe)
         inputs = prepared_folder.inputs_of(recipe, tokenizer, template, train_sources, eval_sources)
         return _checked(recipe.data.prepared, inputs, with_data=bool(train_sources))
-    return prepare_into(recipe, tokenizer, template)[0]
+    return prepared_folder.load(prepare_into(recipe, tokenizer, template)[0])
 
 
 def prepare_into(recipe: Recipe, tokenizer, template: str | None,
-                 into: str | None = None) -> tuple[PreparedData, str, bool]:
-    """(the datasets, where they are, whether they were prepared now): prepared into `into`, a folder or a URL
+                 into: str | None = None) -> tuple[Path, str, bool]:
+    """(the folder here, where the data is, whether it was prepared now): prepared into `into`, a folder or a URL
     (fsspec; the folder is made in the cache and copied there), by default the cache; nothing is done where the
-    same inputs were prepared before."""
+    same inputs were prepared before. The rows are not read: the caller loads the folder, or reads its report."""
     train_sources, eval_sources = _sources(recipe)
     if not train_sources:
         raise UserError("data.train is required to prepare data (a file, a folder, or a Hub dataset name)")
@@ -70,7 +70,7 @@ def prepare_into(recipe: Recipe, tokenizer, template: str | None,
               f"{'cached in' if folder == cache else 'written to'} {folder}", flush=True)
     if remote:
         made = prepared_folder.upload(folder, into) or made
-    return prepared_folder.load(folder), into or str(folder), made
+    return folder, into or str(folder), made
 
 
 def _sources(recipe: Recipe) -> tuple[list, list]:

@@ -180,10 +180,14 @@ def check_target(folder: Path) -> None:
 
 
 def load(folder: Path) -> PreparedData:
-    report = json.loads((folder / REPORT).read_text(encoding="utf-8"))
+    report = read_report(folder)
     evaluation = _shards(folder / "eval") if (folder / "eval").is_dir() else None
     examples = json.loads((folder / EVAL_EXAMPLES).read_text(encoding="utf-8"))
     return PreparedData(_shards(folder / "train"), evaluation, report, examples)
+
+
+def read_report(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / REPORT).read_text(encoding="utf-8"))
 
 
 def _shards(folder: Path):

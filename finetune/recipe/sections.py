@@ -106,10 +106,10 @@ class DataSection:
         default="drop", metadata={"help": "Rows whose tokens that carry loss all lie past train.max_length: drop "
                                           "them (the count is reported), or fail listing them."}
     )
-    duplicates: Literal["report", "drop", "fail", "off"] = field(
+    duplicates: Literal["report", "drop", "fail", "unchecked"] = field(
         default="report", metadata={"help": "Exact and near duplicate train rows, and train rows that duplicate an "
                                             "eval row: report them, drop them (the first of each group is kept), "
-                                            "fail listing them, or off (no check: large corpora)."}
+                                            "fail listing them, or leave them unchecked (large corpora)."}
     )
     near_duplicate_threshold: float = field(
         default=0.8, metadata={"help": "Rows whose word 3-grams have at least this Jaccard similarity are near "
