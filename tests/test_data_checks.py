@@ -156,7 +156,8 @@ def test_planted_defects_are_found_with_their_recall_and_clean_rows_are_not(corp
     with Spool(tmp_path) as spool:
         train = read_examples([integrity.sources.resolve(str(corpus["path"]), "data.train")], recipe.data, bad, spool)
         assert not bad and len(train) == corpus["rows"] >= 10_000
-        duplicates, contamination = integrity.scan(spool, train, array("q"), eval_set, 0.8, processes=2)
+        scanned = integrity.scan(spool, train, array("q"), eval_set, 0.8, processes=2)
+    duplicates, contamination = scanned.duplicates, scanned.contamination
     planted = corpus["planted"]
     group_of = {}
     for kind in ("exact", "near"):

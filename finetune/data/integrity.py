@@ -62,9 +62,10 @@ def check(spool, train: array, eval_: array, data, eval_sets: list[EvalSet], sta
     `template`: what template_findings found. (The training examples kept, the report.)"""
     report: dict = {}
     drop: set[int] = set()  # positions in train
-    checking_duplicates = data.duplicates != "unchecked"
-    duplicates, contamination = scan(spool, train, eval_, eval_sets,
-                                     data.near_duplicate_threshold if checking_duplicates else None, processes)
+    threshold = data.near_duplicate_threshold if data.duplicates != "unchecked" else None
+    scanned = scan(spool, train, eval_, eval_sets, threshold, processes,
+                   teaching=template["thinking_dropped"] if stage == "sft" else None)
+    duplicates, contamination = scanned.duplicates, scanned.contamination
     if duplicates:
         report["duplicates"] = _duplicates_report(duplicates, spool, train, data.near_duplicate_threshold)
         report["duplicates"]["policy"] = data.duplicates
@@ -78,13 +79,14 @@ def check(spool, train: array, eval_: array, data, eval_sets: list[EvalSet], sta
                lambda: _contamination_error(report["contamination"]))
     report["template"] = list(template["findings"])
     if stage == "sft":
-        report["teaches_nothing"], idle, system_rows = _teaches_nothing(spool, train, template["thinking_dropped"])
+        report["teaches_nothing"] = _teaches_nothing_report(scanned.idle, spool, train)
         report["teaches_nothing"]["policy"] = data.teaches_nothing
-        if template["ignores_system"] and system_rows:
+        if template["ignores_system"] and scanned.system_rows:
             report["template"].append(
-                f"the chat template leaves out system messages, and {counted(system_rows, 'row')} have one "
+                f"the chat template leaves out system messages, and {counted(scanned.system_rows, 'row')} have one "
                 "(data.system_prompt adds one to every row): the model never sees them")
-        _apply(data.teaches_nothing, idle, drop, lambda: _teaches_nothing_error(report["teaches_nothing"]))
+        _apply(data.teaches_nothing, {position for position, _ in scanned.idle}, drop,
+               lambda: _teaches_nothing_error(report["teaches_nothing"]))
     report["dropped"] = len(drop)
     kept = array("q", (example for position, example in enumerate(train) if position not in drop)) if drop else train
     return kept, report
@@ -323,31 +325,47 @@ class Contamination:
     shared_words: int
 
 
+@dataclass
+class Scanned:
+    """What one pass over the training examples found: duplicates (None: not looked for), contamination, rows that
+    teach nothing (position, why), and how many rows have a system message."""
+    duplicates: Duplicates | None
+    contamination: list[Contamination]
+    idle: list[tuple[int, str]]
+    system_rows: int
+
+
 def scan(spool, train: array, eval_: array, eval_sets: list[EvalSet], threshold: float | None,
-         processes: int = 1) -> tuple[Duplicates | None, list[Contamination]]:
-    """The duplicates (threshold None: not looked for) and the contamination of the training examples (offsets in
-    `spool`), in one pass: each example's words, exact key, MinHash and n-gram matches are computed on `processes`
-    worker processes; the LSH index and the groups are kept here, in order."""
+         processes: int = 1, teaching: bool | None = None) -> Scanned:
+    """The duplicates (threshold None: not looked for), the contamination and (teaching not None: whether the
+    template leaves out reasoning) the rows that teach nothing of the training examples (offsets in `spool`), in one
+    pass: each example is read, and its words, exact key, MinHash and n-gram matches computed, on `processes` worker
+    processes; the LSH index and the groups are kept here, in order."""
     global _scanned
+    found = Scanned(None, [], [], 0)
+    if threshold is None and not eval_sets and teaching is None:
+        return found
     spool.file.flush()  # the workers read the examples from it
-    _scanned = (spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets])
+    _scanned = _Scanning(spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets], threshold is not None,
+                         teaching)
     deduplication = _Deduplication(spool, train, threshold) if threshold is not None else None
-    contamination = []
     for start, chunk in _fingerprinted(train, processes):
         if deduplication:
             for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
                 deduplication.add(start + at, key, signature)
-        contamination += [Contamination(start + at, *match) for at, *match in chunk.matches]
-    if not deduplication:
-        return None, contamination
-    _scanned = (spool.file.name, [])
-    overlaps = []
-    for start, chunk in _fingerprinted(eval_, processes):
-        for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
-            found = deduplication.find(eval_[start + at], key, signature)
-            if found:
-                overlaps.append((eval_[start + at], *found))
-    return Duplicates(deduplication.exact.groups(), deduplication.near.groups(), overlaps), contamination
+        found.contamination += [Contamination(start + at, *match) for at, *match in chunk.matches]
+        found.idle += [(start + at, why) for at, why in chunk.idle]
+        found.system_rows += chunk.system_rows
+    if deduplication:
+        _scanned = _Scanning(spool.file.name, [], True, None)
+        overlaps = []
+        for start, chunk in _fingerprinted(eval_, processes):
+            for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
+                duplicated = deduplication.find(eval_[start + at], key, signature)
+                if duplicated:
+                    overlaps.append((eval_[start + at], *duplicated))
+        found.duplicates = Duplicates(deduplication.exact.groups(), deduplication.near.groups(), overlaps)
+    return found
 
 
 class _Deduplication:
@@ -397,7 +415,16 @@ def _lean(signature: np.ndarray):
     return LeanMinHash(seed=1, hashvalues=signature, scheme="affine32")
 
 
-_scanned: tuple[str, list] | None = None  # (the spool's file, the evaluation sets' n-grams) the workers fork with
+@dataclass
+class _Scanning:
+    """What the workers fork with."""
+    spool_file: str
+    indexes: list  # the evaluation sets' n-grams
+    duplicates: bool  # looked for
+    teaching: bool | None  # rows that teach nothing looked for (not None), and whether the template drops reasoning
+
+
+_scanned: _Scanning | None = None
 
 
 @dataclass
@@ -406,6 +433,8 @@ class _Fingerprints:
     keys: list[int]
     signatures: np.ndarray  # (examples, NUM_PERM) uint32: their MinHash
     matches: list[tuple[int, int, int, int]]  # (place in the chunk, evaluation set, item, words shared)
+    idle: list[tuple[int, str]]  # (place in the chunk, why it teaches nothing)
+    system_rows: int
 
 
 CHUNK = 2000  # examples a worker fingerprints at a time
@@ -421,17 +450,26 @@ def _fingerprinted(examples: array, processes: int):
 def _fingerprint(offsets: array) -> _Fingerprints:
     from datasketch import MinHash
 
-    spool_file, indexes = _scanned
-    found = _Fingerprints([], np.empty((len(offsets), NUM_PERM), dtype=np.uint32), [])
-    with open(spool_file, "rb") as handle:
+    scanning = _scanned
+    found = _Fingerprints([], np.empty((len(offsets), NUM_PERM), dtype=np.uint32), [], [], 0)
+    with open(scanning.spool_file, "rb") as handle:
         for at, offset in enumerate(offsets):
             example = read_at(handle, offset)[1]
+            if scanning.teaching is not None:
+                messages = answer_example(example).get("messages") or [{"role": ""}]
+                found.system_rows += messages[0]["role"] == "system"
+                why = _teaches_nothing(messages, scanning.teaching)
+                if why:
+                    found.idle.append((at, why))
+            if not scanning.duplicates and not scanning.indexes:
+                continue
             hashes = _word_hashes(example)
-            found.keys.append(_exact_key(example))
-            minhash = MinHash(num_perm=NUM_PERM, hashfunc=int, permutations=_permutations(), scheme="affine32")
-            minhash.update_batch((_shingles(hashes) & 0xFFFFFFFF).tolist())  # affine32 hashes 32 bits
-            found.signatures[at] = minhash.hashvalues
-            for set_index, index in enumerate(indexes):
+            if scanning.duplicates:
+                found.keys.append(_exact_key(example))
+                minhash = MinHash(num_perm=NUM_PERM, hashfunc=int, permutations=_permutations(), scheme="affine32")
+                minhash.update_batch((_shingles(hashes) & 0xFFFFFFFF).tolist())  # affine32 hashes 32 bits
+                found.signatures[at] = minhash.hashvalues
+            for set_index, index in enumerate(scanning.indexes):
                 match = index.match(hashes)
                 if match:
                     found.matches.append((at, set_index, *match))
@@ -520,34 +558,27 @@ def _snippet(text: str) -> str:
     return text if len(text) <= SNIPPET else text[:SNIPPET - 1] + "…"
 
 
-def _teaches_nothing(spool, train: array, thinking_dropped: bool) -> tuple[dict, set[int], int]:
-    """Conversations that end with another turn than the assistant's, assistant turns of only whitespace, and
-    reasoning the template leaves out: counted, the first listed, and their positions; and how many rows have a
-    system message."""
-    reasons: list[str] = []
-    positions: set[int] = set()
-    system_rows = 0
-    counts = {"ends_without_answer": 0, "blank_answer": 0, "thinking_dropped": 0}
-    for position, offset in enumerate(train):
-        example = answer_example(spool.get(offset))
-        messages = example.get("messages")
-        if not messages:
-            continue
-        system_rows += messages[0]["role"] == "system"
-        found = None
-        if messages[-1]["role"] != "assistant":
-            found = ("ends_without_answer", f"ends with a {messages[-1]['role']} message, which carries no loss")
-        elif any(m["role"] == "assistant" and m["content"] and not m["content"].strip() and not m.get("tool_calls")
-                 for m in messages):
-            found = ("blank_answer", "an assistant message is only whitespace")
-        elif thinking_dropped and any(m.get("thinking") for m in messages if m["role"] == "assistant"):
-            found = ("thinking_dropped", "the chat template leaves out its reasoning (thinking): it is not trained")
-        if found:
-            counts[found[0]] += 1
-            positions.add(position)
-            if len(reasons) < SHOWN:
-                reasons.append(f"{spool.where(offset)}: {found[1]}")
-    return {"rows": len(positions), **counts, "shown": reasons}, positions, system_rows
+IDLE = {"ends_without_answer": "ends with another message than the assistant's, which carries no loss",
+        "blank_answer": "an assistant message is only whitespace",
+        "thinking_dropped": "the chat template leaves out its reasoning (thinking): it is not trained"}
+
+
+def _teaches_nothing(messages: list[dict], thinking_dropped: bool) -> str | None:
+    """Why a conversation teaches nothing (a key of IDLE), or None."""
+    if not messages[-1]["role"] or messages[-1]["role"] == "assistant":
+        if any(m["role"] == "assistant" and m["content"] and not m["content"].strip() and not m.get("tool_calls")
+               for m in messages):
+            return "blank_answer"
+        if thinking_dropped and any(m.get("thinking") for m in messages if m["role"] == "assistant"):
+            return "thinking_dropped"
+        return None
+    return "ends_without_answer"
+
+
+def _teaches_nothing_report(idle: list[tuple[int, str]], spool, train: array) -> dict:
+    counts = {why: sum(1 for _, found in idle if found == why) for why in IDLE}
+    return {"rows": len(idle), **counts,
+            "shown": [f"{spool.where(train[position])}: {IDLE[why]}" for position, why in idle[:SHOWN]]}
 
 
 def _duplicates_error(found: dict) -> UserError:
