@@ -38,9 +38,10 @@ from finetune.resources import eval_tasks_dir
 
 SHINGLE = 3  # words per shingle of the near-duplicate check
 NGRAM = 13  # words per n-gram of the contamination check
-NUM_PERM = 64  # MinHash permutations: 256 bytes an example in the LSH index's bands
+NUM_PERM = 64  # MinHash permutations
 LSH_WEIGHTS = (0.2, 0.8)  # (false positive, false negative): candidates are checked exactly, misses are not found
 SHOWN = 5  # groups or matches listed per finding
+MOST_COMPARED = 64  # groups an example is compared with among those sharing a band with it
 SNIPPET = 160  # characters of a row shown beside its match
 WORD = re.compile(r"\w+")
 LM_EVAL = "lm-eval:"
@@ -346,73 +347,105 @@ def scan(spool, train: array, eval_: array, eval_sets: list[EvalSet], threshold:
     if threshold is None and not eval_sets and teaching is None:
         return found
     spool.file.flush()  # the workers read the examples from it
-    _scanned = _Scanning(spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets], threshold is not None,
-                         teaching)
+    _scanned = _Scanning(spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets], threshold, teaching)
     deduplication = _Deduplication(spool, train, threshold) if threshold is not None else None
     for start, chunk in _fingerprinted(train, processes):
         if deduplication:
-            for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
-                deduplication.add(start + at, key, signature)
+            deduplication.add(start, chunk)
         found.contamination += [Contamination(start + at, *match) for at, *match in chunk.matches]
         found.idle += [(start + at, why) for at, why in chunk.idle]
         found.system_rows += chunk.system_rows
     if deduplication:
-        _scanned = _Scanning(spool.file.name, [], True, None)
-        overlaps = []
-        for start, chunk in _fingerprinted(eval_, processes):
-            for at, (key, signature) in enumerate(zip(chunk.keys, chunk.signatures)):
-                duplicated = deduplication.find(eval_[start + at], key, signature)
-                if duplicated:
-                    overlaps.append((eval_[start + at], *duplicated))
-        found.duplicates = Duplicates(deduplication.exact.groups(), deduplication.near.groups(), overlaps)
+        _scanned = _Scanning(spool.file.name, [], threshold, None)
+        chunks = [chunk for _, chunk in _fingerprinted(eval_, processes)]
+        keys = np.concatenate([chunk.keys for chunk in chunks]) if chunks else np.empty(0, dtype=np.uint64)
+        bands = np.concatenate([chunk.bands for chunk in chunks]) if chunks else \
+            np.empty((0, deduplication.bands.shape[1]), dtype=np.uint64)
+        found.duplicates = deduplication.groups(eval_, keys, bands)
     return found
 
 
 class _Deduplication:
-    """The exact keys and the LSH index of the training examples seen so far, and their groups. Two examples of one
-    data row (a KTO pair's answers) are not each other's duplicates."""
+    """The exact keys and LSH band hashes of the training examples, and the groups they form. Memory holds 8 bytes
+    of key and 8 bytes a band of band hashes an example (datasketch's own index holds a Python set per band and
+    example: 2.7 KB an example, measured). Candidates, examples that share a band, are checked on their exact word
+    3-grams; two examples of one data row (a KTO pair's answers) are not each other's duplicates."""
 
     def __init__(self, spool, train: array, threshold: float):
-        from datasketch import MinHashLSH
-
         self.spool, self.train, self.threshold = spool, train, threshold
-        self.lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM, weights=LSH_WEIGHTS)
-        self.first_of_key: dict[int, int] = {}
+        self.keys = np.empty(len(train), dtype=np.uint64)
+        self.bands = np.empty((len(train), _lsh_shape(threshold)[0]), dtype=np.uint64)
         self.exact, self.near = _Groups(), _Groups()
 
-    def add(self, position: int, key: int, signature: np.ndarray) -> None:
-        if key in self.first_of_key:
-            self.exact.join(self.first_of_key[key], position)
-            return
-        self.first_of_key[key] = position
-        minhash = _lean(signature)
-        candidates = sorted(self.lsh.query(minhash))
-        if candidates:
-            offset = self.train[position]
-            shingles = _shingles(_word_hashes(self.spool.get(offset)))
-            for candidate in candidates:
-                if self.near.root(candidate) != self.near.root(position) and self._similar(shingles, candidate) \
-                        and self.spool.where(self.train[candidate]) != self.spool.where(offset):
-                    self.near.join(candidate, position)
-        self.lsh.insert(position, minhash)
+    def add(self, start: int, chunk: _Fingerprints) -> None:
+        self.keys[start:start + len(chunk.keys)] = chunk.keys
+        self.bands[start:start + len(chunk.keys)] = chunk.bands
 
-    def find(self, offset: int, key: int, signature: np.ndarray) -> tuple[int, str] | None:
-        """(the training example an example duplicates, "exact" or "near"), or None."""
-        if key in self.first_of_key:
-            return self.first_of_key[key], "exact"
-        candidates = sorted(self.lsh.query(_lean(signature)))
-        shingles = _shingles(_word_hashes(self.spool.get(offset))) if candidates else None
-        match = next((c for c in candidates if self._similar(shingles, c)), None)
-        return None if match is None else (match, "near")
+    def groups(self, eval_: array, eval_keys: np.ndarray, eval_bands: np.ndarray) -> Duplicates:
+        order = np.argsort(self.keys, kind="stable")
+        keys = self.keys[order]
+        first = np.ones(len(keys), dtype=bool)
+        first[1:] = keys[1:] != keys[:-1]
+        starts = np.flatnonzero(first)
+        for begin, end in zip(starts, [*starts[1:], len(keys)]):
+            for position in order[begin + 1:end]:
+                self.exact.join(int(order[begin]), int(position))
+        kept = np.sort(order[first])  # the first example of each key: the others are exact duplicates
+        overlaps = {}
+        at = np.searchsorted(keys, eval_keys)
+        for index in np.flatnonzero((at < len(keys)) & (keys[np.minimum(at, len(keys) - 1)] == eval_keys)):
+            overlaps[int(index)] = (int(order[at[index]]), "exact")
+        for band in range(self.bands.shape[1]):
+            hashes = self.bands[kept, band]
+            by_hash = np.argsort(hashes, kind="stable")
+            sorted_hashes, members = hashes[by_hash], kept[by_hash]
+            new = np.ones(len(sorted_hashes), dtype=bool)
+            new[1:] = sorted_hashes[1:] != sorted_hashes[:-1]
+            starts = np.flatnonzero(new)
+            for begin, end in zip(starts, [*starts[1:], len(members)]):
+                if end - begin > 1:
+                    self._bucket([int(p) for p in members[begin:end]])
+            at = np.searchsorted(sorted_hashes, eval_bands[:, band])
+            hit = (at < len(sorted_hashes)) & (sorted_hashes[np.minimum(at, len(sorted_hashes) - 1)] ==
+                                               eval_bands[:, band])
+            for index in np.flatnonzero(hit):
+                if int(index) not in overlaps and self._similar(eval_[index], int(members[at[index]])):
+                    overlaps[int(index)] = (int(members[at[index]]), "near")
+        return Duplicates(self.exact.groups(), self.near.groups(),
+                          [(eval_[index], *found) for index, found in sorted(overlaps.items())])
 
-    def _similar(self, shingles: np.ndarray, position: int) -> bool:
-        return _jaccard(shingles, _shingles(_word_hashes(self.spool.get(self.train[position])))) >= self.threshold
+    def _bucket(self, members: list[int]) -> None:
+        """Examples that share a band, in order: each is compared with the first example of every group among those
+        before it (at most MOST_COMPARED groups), and joins the groups it is similar to."""
+        seen: dict[int, int] = {}  # root -> its first example here
+        for position in members:
+            for root, other in list(seen.items())[:MOST_COMPARED]:
+                if root != self.near.root(position) and self._similar(self.train[position], other) and \
+                        self.spool.where(self.train[position]) != self.spool.where(self.train[other]):
+                    self.near.join(other, position)
+            seen.setdefault(self.near.root(position), position)
+
+    def _similar(self, offset: int, position: int) -> bool:
+        """Whether the example at `offset` in the spool and the training example at `position` are near duplicates."""
+        return _jaccard(_shingles(_word_hashes(self.spool.get(offset))),
+                        _shingles(_word_hashes(self.spool.get(self.train[position])))) >= self.threshold
 
 
-def _lean(signature: np.ndarray):
-    from datasketch import LeanMinHash
+@functools.cache
+def _lsh_shape(threshold: float) -> tuple[int, int]:
+    """(bands, rows per band) for the threshold: datasketch's choice, weighing misses (LSH_WEIGHTS)."""
+    from datasketch import MinHashLSH
 
-    return LeanMinHash(seed=1, hashvalues=signature, scheme="affine32")
+    index = MinHashLSH(threshold=threshold, num_perm=NUM_PERM, weights=LSH_WEIGHTS)
+    return index.b, index.r
+
+
+def _band_hashes(signature: np.ndarray, threshold: float) -> np.ndarray:
+    """A 64-bit hash of each band of a MinHash signature."""
+    bands, rows = _lsh_shape(threshold)
+    values = signature[:bands * rows].reshape(bands, rows).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return values @ (_MULTIPLIER ** np.arange(1, rows + 1, dtype=np.uint64))
 
 
 @dataclass
@@ -420,7 +453,7 @@ class _Scanning:
     """What the workers fork with."""
     spool_file: str
     indexes: list  # the evaluation sets' n-grams
-    duplicates: bool  # looked for
+    threshold: float | None  # of near duplicates; None: duplicates are not looked for
     teaching: bool | None  # rows that teach nothing looked for (not None), and whether the template drops reasoning
 
 
@@ -430,8 +463,8 @@ _scanned: _Scanning | None = None
 @dataclass
 class _Fingerprints:
     """A chunk of examples as the checks compare them."""
-    keys: list[int]
-    signatures: np.ndarray  # (examples, NUM_PERM) uint32: their MinHash
+    keys: np.ndarray  # (examples,) uint64: _exact_key
+    bands: np.ndarray  # (examples, bands) uint64: their MinHash signature's band hashes
     matches: list[tuple[int, int, int, int]]  # (place in the chunk, evaluation set, item, words shared)
     idle: list[tuple[int, str]]  # (place in the chunk, why it teaches nothing)
     system_rows: int
@@ -451,7 +484,9 @@ def _fingerprint(offsets: array) -> _Fingerprints:
     from datasketch import MinHash
 
     scanning = _scanned
-    found = _Fingerprints([], np.empty((len(offsets), NUM_PERM), dtype=np.uint32), [], [], 0)
+    bands = _lsh_shape(scanning.threshold)[0] if scanning.threshold is not None else 0
+    found = _Fingerprints(np.empty(len(offsets), dtype=np.uint64), np.empty((len(offsets), bands), dtype=np.uint64),
+                          [], [], 0)
     with open(scanning.spool_file, "rb") as handle:
         for at, offset in enumerate(offsets):
             example = read_at(handle, offset)[1]
@@ -461,14 +496,14 @@ def _fingerprint(offsets: array) -> _Fingerprints:
                 why = _teaches_nothing(messages, scanning.teaching)
                 if why:
                     found.idle.append((at, why))
-            if not scanning.duplicates and not scanning.indexes:
+            if scanning.threshold is None and not scanning.indexes:
                 continue
             hashes = _word_hashes(example)
-            if scanning.duplicates:
-                found.keys.append(_exact_key(example))
+            if scanning.threshold is not None:
+                found.keys[at] = _exact_key(example)
                 minhash = MinHash(num_perm=NUM_PERM, hashfunc=int, permutations=_permutations(), scheme="affine32")
                 minhash.update_batch((_shingles(hashes) & 0xFFFFFFFF).tolist())  # affine32 hashes 32 bits
-                found.signatures[at] = minhash.hashvalues
+                found.bands[at] = _band_hashes(minhash.hashvalues, scanning.threshold)
             for set_index, index in enumerate(scanning.indexes):
                 match = index.match(hashes)
                 if match:
