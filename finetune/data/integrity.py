@@ -477,7 +477,10 @@ def _fingerprinted(examples: array, processes: int):
     """(the chunk's first position, its _Fingerprints) for each chunk of the examples, in order."""
     starts = range(0, len(examples), CHUNK)
     parallel = processes if len(examples) >= workers.PARALLEL_FROM else 1
-    return zip(starts, workers.in_order(_fingerprint, (examples[start:start + CHUNK] for start in starts), parallel))
+    # the chunks first: zip ends on them, after their pool has closed (ended on `starts`, it would leave the pool's
+    # generator open, to be closed later: the pool then terminated instead of joined)
+    found = workers.in_order(_fingerprint, (examples[start:start + CHUNK] for start in starts), parallel)
+    return ((start, chunk) for chunk, start in zip(found, starts))
 
 
 def _fingerprint(offsets: array) -> _Fingerprints:

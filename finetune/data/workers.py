@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 
 PARALLEL_FROM = 2000  # rows: below it, starting worker processes costs more than it saves
@@ -34,4 +35,8 @@ def in_order(work: Callable, tasks: Iterable, processes: int) -> Iterator:
 def _start() -> None:
     import datasets
 
+    # a run's handlers (stop at the next step on SIGTERM or SIGINT), inherited by the fork, would keep the pool
+    # from terminating its workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     datasets.disable_progress_bars()  # packing's; the main process says how far the workers are
