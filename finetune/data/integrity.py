@@ -344,7 +344,7 @@ def scan(spool, train: array, eval_: array, eval_sets: list[EvalSet], threshold:
     processes; the LSH index and the groups are kept here, in order."""
     global _scanned
     found = Scanned(None, [], [], 0)
-    if threshold is None and not eval_sets and teaching is None:
+    if not len(train) or threshold is None and not eval_sets and teaching is None:
         return found
     spool.file.flush()  # the workers read the examples from it
     _scanned = _Scanning(spool.file.name, [_NgramIndex(eval_set) for eval_set in eval_sets], threshold, teaching)
@@ -372,7 +372,7 @@ class _Deduplication:
     3-grams; two examples of one data row (a KTO pair's answers) are not each other's duplicates."""
 
     def __init__(self, spool, train: array, threshold: float):
-        self.spool, self.train, self.threshold = spool, train, threshold
+        self.spool, self.examples, self.threshold = spool, train, threshold
         self.keys = np.empty(len(train), dtype=np.uint64)
         self.bands = np.empty((len(train), _lsh_shape(threshold)[0]), dtype=np.uint64)
         self.exact, self.near = _Groups(), _Groups()
@@ -420,15 +420,15 @@ class _Deduplication:
         seen: dict[int, int] = {}  # root -> its first example here
         for position in members:
             for root, other in list(seen.items())[:MOST_COMPARED]:
-                if root != self.near.root(position) and self._similar(self.train[position], other) and \
-                        self.spool.where(self.train[position]) != self.spool.where(self.train[other]):
+                if root != self.near.root(position) and self._similar(self.examples[position], other) and \
+                        self.spool.where(self.examples[position]) != self.spool.where(self.examples[other]):
                     self.near.join(other, position)
             seen.setdefault(self.near.root(position), position)
 
     def _similar(self, offset: int, position: int) -> bool:
         """Whether the example at `offset` in the spool and the training example at `position` are near duplicates."""
         return _jaccard(_shingles(_word_hashes(self.spool.get(offset))),
-                        _shingles(_word_hashes(self.spool.get(self.train[position])))) >= self.threshold
+                        _shingles(_word_hashes(self.spool.get(self.examples[position])))) >= self.threshold
 
 
 @functools.cache
