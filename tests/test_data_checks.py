@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.data import integrity
+from finetune.data import eval_sets, scan, sources
 from finetune.data.pipeline import prepare_into, read_examples
 from finetune.data.prepared_folder import read_report
 from finetune.data.spool import Spool
@@ -152,11 +152,11 @@ def test_planted_defects_are_found_with_their_recall_and_clean_rows_are_not(corp
     recipe = load_recipe(write_recipe(tmp_path, f"model: {{name_or_path: builtin:tiny-llama}}\n"
                                                 f"data: {{train: {corpus['path']}}}\n"), [])
     bad: list[str] = []
-    eval_set = integrity.read_eval_sets([str(asset("datasets/gsm8k/test.jsonl"))])
+    eval_set = eval_sets.read_eval_sets([str(asset("datasets/gsm8k/test.jsonl"))])
     with Spool(tmp_path) as spool:
-        train = read_examples([integrity.sources.resolve(str(corpus["path"]), "data.train")], recipe.data, bad, spool)
+        train = read_examples([sources.resolve(str(corpus["path"]), "data.train")], recipe.data, bad, spool)
         assert not bad and len(train) == corpus["rows"] >= 10_000
-        scanned = integrity.scan(spool, train, array("q"), eval_set, 0.8, processes=2)
+        scanned = scan.scan(spool, train, array("q"), eval_set, 0.8, processes=2)
     duplicates, contamination = scanned.duplicates, scanned.contamination
     planted = corpus["planted"]
     group_of = {}

@@ -20,11 +20,11 @@ from array import array
 from pathlib import Path
 
 from finetune import builtin
-from finetune.data import encoding, formats, integrity, prepared_folder, sources
+from finetune.data import encoding, eval_sets, formats, integrity, prepared_folder, sources
 from finetune.data.formats import BadRow
 from finetune.data.prepared_folder import PreparedData
-from finetune.data.spool import Spool
 from finetune.data.render import IGNORE, Renderer
+from finetune.data.spool import Spool
 from finetune.data.stage_rows import RowEncoder, answer_example
 from finetune.errors import UserError
 from finetune.recipe.schema import Recipe
@@ -162,7 +162,7 @@ def _build_rows(folder: Path, inputs: dict, recipe: Recipe, tokenizer, template,
     renderer = Renderer(tokenizer, template, data.template_date, data.loss_on, data.train_thinking,
                         data.template_kwargs)
     train_examples, checks = integrity.check(spool, train_examples, eval_examples, data,
-                                             integrity.read_eval_sets(data.decontaminate), recipe.stage,
+                                             eval_sets.read_eval_sets(data.decontaminate), recipe.stage,
                                              integrity.template_findings(renderer, data.train_thinking),
                                              _processes(data))
     encoder = RowEncoder(renderer, recipe.stage)

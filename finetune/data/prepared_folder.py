@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.data import integrity
+from finetune.data import eval_sets
 from finetune.errors import UserError
 
 INPUTS = "prepared.json"
@@ -62,7 +62,7 @@ def inputs_of(recipe, tokenizer, template: str | None, train_sources: list, eval
         "format": FORMAT,
         "data": {"train": [{"contents": source.fingerprint(), **share} for source, share in zip(train_sources, shares)],
                  "eval": [{"contents": source.fingerprint()} for source in eval_sources]},
-        "decontaminate": [integrity.fingerprint(spec) for spec in recipe.data.decontaminate],
+        "decontaminate": [eval_sets.fingerprint(spec) for spec in recipe.data.decontaminate],
         "settings": {**{f"data.{key}": value for key, value in data.items()},
                      "train.max_length": recipe.train_setting("max_length"),
                      "train.packing": recipe.train_setting("packing"), "train.seed": recipe.train_setting("seed"),

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from finetune import hub
-from finetune.data import integrity
+from finetune.data import eval_sets, integrity
 from finetune.recipe.train_section import GLOBAL_BATCH
 from finetune.run_folder import CONFIG_NAME, DATA_CHECKS_NAME, checkpoint_step, read_rows
 from finetune.trained_model import gguf, saved_model
@@ -62,7 +62,7 @@ def data_name(name: str) -> str:
 
 def evaluation_set_name(name: str) -> str:
     """A data.decontaminate set as the card names it: lm-eval tasks by name, data as data_name names it."""
-    return name if name.startswith(integrity.LM_EVAL) else data_name(name)
+    return name if name.startswith(eval_sets.LM_EVAL) else data_name(name)
 
 
 def hub_id(name: str) -> str | None:
