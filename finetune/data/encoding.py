@@ -21,8 +21,8 @@ from finetune.data.spool import read_at
 from finetune.data.stage_rows import RowEncoder
 
 PACK_BATCH = 1000  # rows packed together (best-fit decreasing over each batch, as TRL's pack_dataset does)
-MOST_CHUNKS_PER_SPLIT = 16  # below it chunks hold PACK_BATCH rows; above, more (fewer shards for a large split)
-LARGEST_CHUNK = 8 * PACK_BATCH
+CHUNKS_IN_STEP = 16  # a split's chunks come in multiples of it, so 2, 4, 8 or 16 processes end together
+LARGEST_CHUNK = 8 * PACK_BATCH  # (fewer, larger shards for a large split)
 RATE_AFTER_S = 1.0
 PROGRESS_EVERY_S = 5.0
 logger = logging.getLogger("finetune")
@@ -45,20 +45,18 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
     rows are packed in the same batches however many processes encode them."""
     folder.mkdir()
     spool.file.flush()  # the workers read the examples from it
-    size = PACK_BATCH * min(max(math.ceil(len(examples) / (MOST_CHUNKS_PER_SPLIT * PACK_BATCH)), 1),
-                            LARGEST_CHUNK // PACK_BATCH)
-    starts = range(0, len(examples), size)
-    tasks = ((str(folder / f"{number:06d}.arrow"), spool.file.name, examples[start:start + size], max_length, packing)
-             for number, start in enumerate(starts))  # made as the workers take them
+    bounds = _chunk_bounds(len(examples))
+    tasks = ((str(folder / f"{number:06d}.arrow"), spool.file.name, examples[start:end], max_length, packing)
+             for number, (start, end) in enumerate(bounds))  # made as the workers take them
     total = _Chunk()
     progress = _Progress(split, len(examples))
     parallel = processes > 1 and len(examples) >= workers.PARALLEL_FROM
-    # the chunks first: zip ends on them, after their pool has closed (ended on `starts`, it would leave the pool to
+    # the chunks first: zip ends on them, after their pool has closed (ended on `bounds`, it would leave the pool to
     # the garbage collector, which terminates it, and its semaphores are said to leak)
     global _worker_encoder
     _worker_encoder = encoder
-    for chunk, start in zip(workers.in_order(_encode_chunk, tasks, processes if parallel else 1), starts):
-        chunk_examples = examples[start:start + size]
+    for chunk, (start, end) in zip(workers.in_order(_encode_chunk, tasks, processes if parallel else 1), bounds):
+        chunk_examples = examples[start:end]
         progress.advance(len(chunk_examples))
         bad += [f"{spool.where(chunk_examples[at])}: {reason}" for at, reason in chunk.bad]
         too_long += [f"{spool.where(chunk_examples[at])}: {length:,} tokens" for at, length in chunk.too_long]
@@ -75,6 +73,16 @@ def encode_split(examples: array, spool, encoder: RowEncoder, max_length: int, p
         "truncated_rows": total.truncated,
         "dropped_no_trained_tokens": total.untrainable,
     }, total.first_row)
+
+
+def _chunk_bounds(rows: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk: whole PACK_BATCH batches, as even as they allow, at most LARGEST_CHUNK rows, in a
+    multiple of CHUNKS_IN_STEP chunks where there are enough batches. Even chunks end together on the processes:
+    uneven ones leave a process idle while another encodes the last."""
+    batches = math.ceil(rows / PACK_BATCH)
+    chunks = min(batches, CHUNKS_IN_STEP * math.ceil(batches / (LARGEST_CHUNK // PACK_BATCH) / CHUNKS_IN_STEP))
+    starts = [PACK_BATCH * (batches * number // chunks) for number in range(chunks)]
+    return list(zip(starts, [*starts[1:], rows]))
 
 
 @dataclass
