@@ -21,6 +21,7 @@ real Llama 3.2 tokenizer and chat template, each case in a fresh process:
              against GSM8K's test set): the seconds and memory they add.
 
     python benchmarks/data_prep.py [--sizes 20000,200000,2000000] [--processes 2] [--trl-max 200000] [--checks N]
+                                   [--ways "finetune,no checks,TRL"]
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="20000,200000,2000000")
     parser.add_argument("--processes", default="2")
     parser.add_argument("--trl-max", type=int, default=200000, help="the largest size TRL prepares too")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to prepare, of {', '.join(WAYS)}")
     parser.add_argument("--train-steps", type=int, default=12, help="0: no training comparison")
     parser.add_argument("--resume-steps", default="10,10000")
     parser.add_argument("--checks", type=int, default=100000,
@@ -213,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        parser.error(f"--ways: {args.ways} (the ways are {', '.join(WAYS)})")
     if args.one:
         way, *rest = args.one
         measure = {"finetune": measure_finetune, "TRL": measure_trl, "resume": measure_resume}[way]
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             data = Path(tmp) / f"conversations-{size}.jsonl"
             write_conversations(data, size)
             for processes in map(int, args.processes.split(",")):
-                for way in WAYS if size <= args.trl_max else ("finetune",):
+                for way in [way for way in ways if way != "TRL" or size <= args.trl_max]:
                     scratch = Path(tempfile.mkdtemp(dir=tmp))
                     kind, overrides = WAYS[way]
                     result = {"size": size, "way": way, "processes": processes,
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             if size != sizes[-1]:
                 data.unlink()
-        ours = [r for r in results["prepare"] if r["way"] == "finetune"]
+        ours = [r for r in results["prepare"] if r["way"] != "TRL"]
         if args.train_steps:
             first = Path(tmp) / "train"
             first.mkdir()
@@ -256,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"the prepared shards, {from_data:,.0f} from the data file ({from_shards / from_data:.2f}x)")
         if args.checks:
             results["checks"] = time_checks(Path(tmp), args.checks, int(args.processes.split(",")[0]))
-        resume = run_case("resume", ours[-1]["folder"], args.resume_steps)
-        results["resume"] = resume
-        for step, seconds in resume["seconds"].items():
-            print(f"resume at step {int(step):,} ({resume['rows']:,} rows, global batch {GLOBAL_BATCH}): first batch "
-                  f"after {seconds:.2f} s")
+        if ours:
+            resume = results["resume"] = run_case("resume", ours[-1]["folder"], args.resume_steps)
+            for step, seconds in resume["seconds"].items():
+                print(f"resume at step {int(step):,} ({resume['rows']:,} rows, global batch {GLOBAL_BATCH}): first "
+                      f"batch after {seconds:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
