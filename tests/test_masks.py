@@ -132,6 +132,28 @@ def test_chat_template_from_a_file(tmp_path):
         load_tokenizer(load_recipe(recipe_file, [f"model.chat_template={tmp_path / 'missing.jinja'}"]))
 
 
+def test_a_llama_tokenizer_decodes_its_text_without_transformers_warning(tmp_path, capfd):
+    """Llama 3.2's tokenizer_config asks for clean_up_tokenization_spaces, which transformers ignores for a BPE
+    tokenizer and warns about at a process's first decode: `finetune chat`, `serve` and `eval` printed it. Loaded
+    for a recipe or from a saved model, the tokenizer decodes the same text, and nothing is printed."""
+    from transformers.utils import logging
+
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.schema import load_recipe
+    from finetune.trained_model.saved_model import SavedModel
+    from finetune.trained_model.saved_model import load_tokenizer as load_saved_tokenizer
+
+    folder = asset("tokenizers/llama-3.2-instruct")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(f"model: {{name_or_path: {folder}}}\ndata: {{train: builtin:greetings}}\n")
+    recipe = load_recipe(recipe_file)
+    for tokenizer in (load_tokenizer(recipe), load_saved_tokenizer(SavedModel(folder, recipe, is_adapter=False))):
+        logging.warning_once.cache_clear()  # a warning said before in this process would be said again
+        ids = tokenizer("Hello , world !")["input_ids"]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello , world !"
+        assert "clean_up_tokenization_spaces" not in capfd.readouterr().err
+
+
 def test_template_without_stable_prefixes_is_a_bad_row(gptoss_tokenizer):
     """GPT-OSS's official template drops earlier turns' reasoning: without markers no exact mask exists."""
     with pytest.raises(BadRow, match="renders the conversation through this turn differently"):

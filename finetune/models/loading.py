@@ -49,6 +49,19 @@ def load_tokenizer(recipe: Recipe):
         tokenizer.chat_template = training_template(tokenizer, template)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return exact_decoding(tokenizer)
+
+
+def exact_decoding(tokenizer):
+    """The tokenizer, decoding to exactly its tokens' text, as transformers decodes with a BPE tokenizer whatever
+    its config says: where the config still asks for clean_up_tokenization_spaces (Llama 3.2's), transformers
+    ignores it and warns at the first decode of every process (chat, serve, eval). The setting is cleared here."""
+    from tokenizers.models import BPE
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.model, BPE) and \
+            not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False):
+        tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
 
 

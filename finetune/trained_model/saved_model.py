@@ -74,7 +74,9 @@ def locate(path: str | Path) -> SavedModel:
 def load_tokenizer(folder: SavedModel):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder.path)
+    from finetune.models.loading import exact_decoding
+
+    return exact_decoding(AutoTokenizer.from_pretrained(folder.path))
 
 
 def load_model(folder: SavedModel, base_model: str | None = None, dtype: str | None = None):
