@@ -122,7 +122,9 @@ def measure_trl(data: str, processes: int, scratch: str) -> dict:
 
 def measure_resume(folder: str, steps: str) -> dict:
     """Seconds from a resume's position at each step to its first global batch of rows, as training does it: the
-    rows' lengths for the sampler, its order from the batch on, the rows read from the memory-mapped shards."""
+    rows' lengths for the sampler, its order from the batch on, the rows read from the memory-mapped shards. The
+    first step's time includes reading the shards' metadata from disk where they are not in the page cache."""
+    import datasets  # noqa: F401  (imported before the clock starts, as a resuming run has it before its data)
     import pyarrow.compute as pc
 
     from finetune.data.prepared_folder import load
