@@ -154,6 +154,29 @@ def test_a_llama_tokenizer_decodes_its_text_without_transformers_warning(tmp_pat
         assert "clean_up_tokenization_spaces" not in capfd.readouterr().err
 
 
+def test_turn_tokens_that_swallow_the_newline_after_them_still_mask_exactly():
+    """Phi-3's tokenizer strips the whitespace after its turn tokens (rstrip): "<|end|>\\n<|user|>" is two tokens,
+    not three. A stand-in with that property (Llama 3.2's vocabulary, Phi-3's turn tokens and official template)
+    trains each answer through its <|end|>, and the last through the end of text, as TRL's marked variant says."""
+    from importlib.resources import files
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(asset("tokenizers/llama-3.2-instruct"))
+    turns = [AddedToken(token, rstrip=True, special=True, normalized=False)
+             for token in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*turns, "<|endoftext|>"], "eos_token": "<|endoftext|>"})
+    tokenizer.chat_template = (files("trl") / "chat_templates" / "phi3.jinja").read_text()
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Say bye"},
+            {"role": "assistant", "content": "Goodbye"}]
+    renderer = Renderer(tokenizer, training_template(tokenizer, tokenizer.chat_template), "2024-07-26")
+    ids, labels = renderer.encode({"messages": talk})
+    assert tokenizer.convert_ids_to_tokens(ids[4:6]) == ["<|end|>", "<|user|>"]  # the newline between: swallowed
+    assert trained_spans(tokenizer, ids, labels) == ["Hello there<|end|>", "Goodbye<|end|><|endoftext|>"]
+
+
 def test_template_without_stable_prefixes_is_a_bad_row(gptoss_tokenizer):
     """GPT-OSS's official template drops earlier turns' reasoning: without markers no exact mask exists."""
     with pytest.raises(BadRow, match="renders the conversation through this turn differently"):

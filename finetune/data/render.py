@@ -56,7 +56,8 @@ class Renderer:
         self.has_markers = template is not None and has_generation_markers(template)
         self.loss_on = loss_on
         self.train_thinking = train_thinking
-        self._special_ids = set(tokenizer.get_added_vocab().values())
+        self._added_text = {token: text for text, token in tokenizer.get_added_vocab().items()}
+        self._special_ids = set(self._added_text)
         self._backend = _plain_backend(tokenizer)
         self._reasoning_content = template is not None and "reasoning_content" in template
         self._settings = (template_date, loss_on, train_thinking, template_kwargs)  # a sibling renderer's
@@ -205,16 +206,18 @@ class Renderer:
     def _rendered(self, messages: list[dict], tools: list | None) -> _Rendered:
         text = self._text(messages, tools)
         if self._backend:
-            encoding = self._backend.encode(text, add_special_tokens=False)
-            ids = encoding.ids
+            ids = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids  # (no offsets kept)
             added = [at for at, token in enumerate(ids) if token in self._special_ids]
-            spans = [encoding.token_to_chars(at) for at in added]
+            starts, ends = [], []
+            for at in added:  # the backend splits the text at the first occurrence of an added token's text
+                starts.append(text.index(self._added_text[ids[at]], ends[-1] if ends else 0))
+                ends.append(starts[-1] + len(self._added_text[ids[at]]))
         else:
             encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(encoding["input_ids"])
             added = [at for at, token in enumerate(ids) if token in self._special_ids]
-            spans = [encoding["offset_mapping"][at] for at in added]
-        return _Rendered(text, ids, added, [start for start, _ in spans], [end for _, end in spans])
+            starts, ends = zip(*[encoding["offset_mapping"][at] for at in added]) if added else ((), ())
+        return _Rendered(text, ids, added, list(starts), list(ends))
 
     def _prefix_length(self, full: _Rendered, messages: list[dict], tools: list | None, index: int,
                        add_generation_prompt: bool = False) -> int:
@@ -241,7 +244,7 @@ class Renderer:
         if not text:
             return []
         if self._backend:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _encode_text(self, segments: list[dict]) -> tuple[list[int], list[int]]:
@@ -267,12 +270,17 @@ class Renderer:
 
 def _plain_backend(tokenizer):
     """The `tokenizers` Tokenizer behind a fast tokenizer, where calling it tokenizes as calling the tokenizer does
-    (no truncation or padding set on it, special tokens split or not alike): a conversation's prefixes are
-    tokenized many times per row, and the wrapper's work per call costs more than a short prefix's tokens. None
-    where it would not tokenize alike."""
+    (no truncation or padding set on it, special tokens split or not alike) and each added token is exactly its text
+    where it stands in the text (none strips the spaces beside it, matches whole words only, or is matched in
+    normalized text): a conversation's prefixes are tokenized many times per row, the wrapper's work per call costs
+    more than a short prefix's tokens, and the added tokens' places are then found without tracking every token's
+    offsets. None where it would not tokenize alike."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation or backend.padding or \
             backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    if any(added.lstrip or added.rstrip or added.single_word or (added.normalized and backend.normalizer)
+           for added in backend.get_added_tokens_decoder().values()):
         return None
     return backend
 
