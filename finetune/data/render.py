@@ -63,6 +63,7 @@ class Renderer:
         self._settings = (template_date, loss_on, train_thinking, template_kwargs)  # a sibling renderer's
         fixed = date.fromisoformat(template_date)
         self._template_kwargs = {**(template_kwargs or {}), "strftime_now": fixed.strftime}
+        self._special_tokens = tokenizer.special_tokens_map  # (bos_token and the like, which templates read)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -108,11 +109,19 @@ class Renderer:
         return self._apply_template(messages, tools, add_generation_prompt, tokenize=False, template=template)
 
     def _apply_template(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
-                        template: str | None = None, **options):
+                        tokenize: bool, template: str | None = None, **options):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         try:
+            if not tokenize:  # rendered as apply_chat_template renders, without its work around each call (a row
+                # renders several prefixes): the template sees the tokenizer's special tokens and our variables
+                return render_jinja_template(
+                    [self._as_template_reads(messages)], tools=tools, chat_template=template or self.template,
+                    add_generation_prompt=add_generation_prompt, **self._special_tokens, **self._template_kwargs,
+                )[0][0]
             return self.tokenizer.apply_chat_template(
                 self._as_template_reads(messages), tools=tools, chat_template=template or self.template,
-                add_generation_prompt=add_generation_prompt, **options, **self._template_kwargs,
+                add_generation_prompt=add_generation_prompt, tokenize=True, **options, **self._template_kwargs,
             )
         except Exception as error:  # jinja's raise_exception and template errors: the row, not the program
             raise BadRow(f"the chat template cannot render it: {error}") from None
