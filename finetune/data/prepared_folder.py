@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -193,9 +194,24 @@ def read_report(folder: Path) -> dict[str, Any]:
 def _shards(folder: Path):
     """A split's shards as one Dataset, memory-mapped: rows are read where they lie, none copied."""
     import datasets
+    from datasets.table import MemoryMappedTable
 
-    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(path))
+    return datasets.concatenate_datasets([datasets.Dataset(MemoryMappedTable(_mapped_for_random_reads(path), str(path)))
                                           for path in sorted(folder.glob("*.arrow"))])
+
+
+def _mapped_for_random_reads(path: Path):
+    """A shard's table, memory-mapped with the kernel told that reads are random. Mapped as datasets maps it
+    (Dataset.from_file), reading each record batch's header made the kernel read ahead around it, which on a disk
+    with a large read-ahead (8 MB on the machine this was measured on) read every shard whole before the first step:
+    the 809 MB of 200,000 conversations, where this reads 1 MB. Training reads its rows in random order anyway."""
+    import pyarrow as pa
+
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise"):  # (not on Windows)
+        mapped.madvise(mmap.MADV_RANDOM)
+    return pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(mapped))).read_all()
 
 
 def is_url(location: str) -> bool:
