@@ -110,11 +110,13 @@ class Renderer:
 
     def _apply_template(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
                         tokenize: bool, template: str | None = None, **options):
+        """The conversation through the chat template. Text is rendered as apply_chat_template renders it (the
+        template sees the tokenizer's special tokens and our variables) without its work around each call: a row
+        renders several of its prefixes."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            if not tokenize:  # rendered as apply_chat_template renders, without its work around each call (a row
-                # renders several prefixes): the template sees the tokenizer's special tokens and our variables
+            if not tokenize:
                 return render_jinja_template(
                     [self._as_template_reads(messages)], tools=tools, chat_template=template or self.template,
                     add_generation_prompt=add_generation_prompt, **self._special_tokens, **self._template_kwargs,
